@@ -1,0 +1,23 @@
+"""vgraph's custom ops, registered under ``torch.ops.vgraph`` on import.
+
+Each op has a schema, a fake (meta) implementation for tracing, a CPU implementation in
+plain torch that is also the numerical reference, and a CUDA implementation that runs a
+Triton kernel. This package depends on torch and triton only, so fusion-pass research can
+use it on any model.
+"""
+from __future__ import annotations
+
+from .activation import silu_and_mul
+from .fp8 import dynamic_per_token_scaled_fp8_quant, fp8_gemm, static_scaled_fp8_quant
+from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_per_token_fp8_quant,
+                          rms_norm_static_fp8_quant, silu_and_mul_static_fp8_quant)
+from .kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from .norm import fused_add_rms_norm, rms_norm
+
+__all__ = [
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+    "static_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant", "fp8_gemm",
+    "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
+    "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
+    "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE",
+]

@@ -1,0 +1,76 @@
+"""Small helpers shared by the Triton launchers."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter is chosen once, when triton is imported, from this variable.
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Under the interpreter, tl.dot on bf16 operands gives garbage (seen with triton 3.9), so the
+# attention kernels upcast their dot operands to fp32 there. Compiled kernels keep bf16/fp16.
+DOT_UPCAST: bool = INTERPRETED
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# A dynamic scale never goes below this, so an all-zero row quantizes to zeros, not NaNs.
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def rows_and_width(x: torch.Tensor) -> tuple[int, int]:
+    """A tensor as a 2-D [rows, last-dim] problem (leading dims flattened)."""
+    width = x.shape[-1]
+    return (x.numel() // width if width else 0), width
+
+
+def row_block(width: int) -> tuple[int, int]:
+    """The block over one row and the warp count for a row-wise kernel of this width."""
+    block = next_pow2(width)
+    warps = 1 if block <= 256 else 4 if block <= 2048 else 8
+    return block, warps
+
+
+# Two interpreter casts are wrong (seen with triton 3.9): fp32 -> e4m3 drops the carry when
+# rounding crosses a power of two (31.86 becomes 16, not 32), and fp32 -> bf16 truncates
+# instead of rounding to nearest even. Interpreted kernels therefore round to the target
+# grid in fp32 first, after which the cast is exact. Compiled kernels use the hardware cast.
+PREROUND_CASTS = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def cast_rne(x, dtype: tl.constexpr):
+    """``x.to(dtype)`` with round-to-nearest-even, also under the interpreter."""
+    if PREROUND_CASTS:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+            bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _round_to_e4m3_grid(x):
+    ax = tl.abs(x)
+    bits = ax.to(tl.uint32, bitcast=True)
+    # normal range: round the 23-bit mantissa to 3 bits, ties to even
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20
+    # subnormal range (|x| < 2^-6): multiples of 2^-9, via the fp32 add-subtract trick
+    sub = (ax + 16384.0) - 16384.0
+    r = tl.where(ax < 0.015625, sub, normal.to(tl.float32, bitcast=True))
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def quantize_fp8(x, inv_or_scale, fp8_max):
+    """``clamp(x / scale, -max, max)`` ready to store into an e4m3 pointer."""
+    q = tl.clamp(x / inv_or_scale, -fp8_max, fp8_max)
+    if PREROUND_CASTS:
+        q = _round_to_e4m3_grid(q)
+    return q

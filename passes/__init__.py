@@ -1,0 +1,1 @@
+"""vgraph's Inductor FX passes (pattern-matcher fusions and the pass manager)."""
