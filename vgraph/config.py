@@ -1,0 +1,64 @@
+"""Engine configuration: one dataclass per concern, composed into ``EngineConfig``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+           "half": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """Maps a user dtype ("auto" = the checkpoint's, fp32 if unknown) to a torch dtype."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelConfig:
+    model: str  # local HF directory or hub id
+    dtype: str | torch.dtype = "auto"
+    max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
+    quantization: Optional[str] = None  # None or "fp8"
+    seed: int = 0
+    tokenizer: Optional[str] = None  # default: the model directory
+    revision: Optional[str] = None
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # On CUDA the pool is sized from a profiling run and this fraction of device memory; on
+    # CPU (or when set) num_gpu_blocks / cpu_kv_cache_gib decide.
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: Optional[int] = None
+    cpu_kv_cache_gib: float = 1.0
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    max_logprobs: int = 20
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

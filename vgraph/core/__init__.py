@@ -1,0 +1,1 @@
+"""Requests, the paged KV block pool with prefix caching, and the scheduler."""
