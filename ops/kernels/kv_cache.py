@@ -1,0 +1,64 @@
+"""Triton kernel that writes new K/V rows into the paged KV cache.
+
+The cache is ``[num_blocks, block_size, kv_heads, head_dim]``; a flat slot ``s`` means block
+``s // block_size``, offset ``s % block_size``. Slot ``-1`` marks a padding token: its
+program exits before touching memory, so padded CUDA-graph batches leave the cache intact.
+All strides are passed in, so ``key``/``value`` may be views (e.g. slices of a fused QKV
+projection) and nothing is copied before the write.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_pow2
+
+# Elements one program moves at most (heads x padded head_dim); more heads -> more programs.
+_MAX_TILE = 4096
+
+
+@triton.jit
+def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                              num_heads, head_dim, block_size,
+                              stride_kt, stride_kh, stride_kd,
+                              stride_vt, stride_vh, stride_vd,
+                              stride_cb, stride_cs, stride_ch, stride_cd,
+                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offset = slot % block_size
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd,
+                mask=mask)
+    dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :] * stride_cd
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes ``key``/``value`` [T, Hkv, D] into the caches at ``slot_mapping`` [T], in place.
+
+    Both caches must share one layout (same strides), which is how they are allocated.
+    """
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have identical strides")
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, _MAX_TILE // block_d))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _reshape_and_cache_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping.contiguous(),
+        num_heads, head_dim, k_cache.shape[1],
+        *key.stride(), *value.stride(), *k_cache.stride(),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 1)

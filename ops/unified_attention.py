@@ -1,0 +1,80 @@
+"""``vgraph::unified_attention``: the attention op the model calls, and the graph's split point.
+
+The model passes only ``q, k, v`` and its layer index; everything that changes per step
+(block tables, sequence lengths, slots) and the KV caches come from the forward context, so
+one captured graph serves every batch. The op writes the new K/V into the layer's cache and
+attends over it, choosing the split-KV decode kernel for pure-decode batches when the
+metadata asks for it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import attention as _attention  # noqa: F401  (registers the ops called below)
+from . import kv_cache as _kv_cache  # noqa: F401
+from .forward_context import AttentionMetadata, get_forward_context
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"unified_attention wants q [T, Hq, D] and k, v [T, Hkv, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on tokens or head_dim")
+
+
+def _write_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                 meta: AttentionMetadata) -> None:
+    """Caches the step's K/V; rows past the metadata's tokens (bucket padding) write nothing."""
+    num_tokens = meta.slot_mapping.shape[0]
+    if num_tokens > k.shape[0]:
+        raise ValueError(f"slot_mapping has {num_tokens} entries for {k.shape[0]} tokens")
+    torch.ops.vgraph.reshape_and_cache(k[:num_tokens], v[:num_tokens], k_cache, v_cache,
+                                       meta.slot_mapping)
+
+
+def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+            softmax_scale: float) -> Tensor:
+    if meta.max_query_len == 1 and meta.num_kv_splits > 1:
+        # Pure decode: query row i is sequence i's only new token.
+        num_seqs = meta.num_seqs
+        if num_seqs > q.shape[0]:
+            raise ValueError(f"decode batch has {num_seqs} sequences but only {q.shape[0]} rows")
+        out = torch.ops.vgraph.paged_attention_decode_split_kv(
+            q[:num_seqs], k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale,
+            meta.num_kv_splits)
+        if num_seqs == q.shape[0]:
+            return out
+        return torch.cat([out, q.new_zeros((q.shape[0] - num_seqs, *q.shape[1:]))])
+    return torch.ops.vgraph.paged_attention(q, k_cache, v_cache, meta.block_table,
+                                            meta.query_start_loc, meta.seq_lens,
+                                            meta.max_query_len, softmax_scale)
+
+
+# mutates_args=() is deliberate: the op does write this layer's KV cache, but the cache is
+# state of the forward context, not an argument. Keeping it out of the schema keeps the
+# captured graph's inputs to (q, k, v) — no per-layer cache tensors threaded through the
+# graph — and the op is opaque to the compiler (it is the split point), so nothing is
+# reordered across the write. The only tensors the op takes, q/k/v, it does not modify.
+@torch.library.custom_op("vgraph::unified_attention", mutates_args=())
+def unified_attention(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
+    """Cache write + paged attention for layer ``layer_idx``, driven by the forward context.
+
+    Rows of ``q``/``k``/``v`` beyond the metadata's tokens (bucket padding) write nothing
+    and return zeros.
+    """
+    _check_inputs(q, k, v)
+    ctx = get_forward_context()
+    if not 0 <= layer_idx < len(ctx.kv_caches):
+        raise ValueError(f"layer_idx {layer_idx} out of range for {len(ctx.kv_caches)} KV caches")
+    k_cache, v_cache = ctx.kv_caches[layer_idx]
+    meta = ctx.attn_metadata
+    _write_cache(k, v, k_cache, v_cache, meta)
+    return _attend(q, k_cache, v_cache, meta, ctx.softmax_scale)
+
+
+@unified_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
+    _check_inputs(q, k, v)
+    return q.new_empty(q.shape)  # like q, contiguous, as the real op returns
