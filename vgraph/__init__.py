@@ -1,6 +1,26 @@
-"""vgraph: an LLM inference runtime built around torch.compile and CUDA graphs."""
+"""vgraph: an LLM inference runtime built around torch.compile and CUDA graphs.
+
+Attributes load lazily, so that ``import vgraph`` (and the CLI) can decide environment
+switches such as ``TRITON_INTERPRET`` before torch or triton are imported. Importing
+``vgraph.ops`` registers the ``torch.ops.vgraph`` custom ops.
+"""
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from . import ops  # noqa: F401,E402  (registers torch.ops.vgraph.*)
+_LAZY = {
+    "ops": ("vgraph.ops", None),
+    "passes": ("vgraph.passes", None),
+    "SamplingParams": ("vgraph.sampling_params", "SamplingParams"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'vgraph' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module

@@ -1,0 +1,91 @@
+"""Runs every Triton kernel against its plain-torch reference on small random inputs.
+
+Used by ``vgraph ops check``: on a CUDA machine it checks the compiled kernels, elsewhere the
+interpreted ones (the caller must set ``TRITON_INTERPRET=1`` before triton is imported).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import activation, fp8, fused_quant, norm
+from .kernels import activation as act_k
+from .kernels import fp8 as fp8_k
+from .kernels import norm as norm_k
+
+REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+@dataclass
+class CheckResult:
+    op: str
+    dtype: torch.dtype
+    max_rel_error: float
+    tolerance: float
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel_error <= self.tolerance
+
+
+def _max_rel_error(out, ref) -> float:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    refs = ref if isinstance(ref, (tuple, list)) else (ref,)
+    worst = 0.0
+    for o, r in zip(outs, refs):
+        o, r = o.detach().cpu().double(), r.detach().cpu().double()
+        if not torch.isfinite(o).all():
+            return float("inf")
+        scale = max(r.abs().max().item(), 1e-30) if r.numel() else 1.0
+        worst = max(worst, (o - r).abs().max().item() / scale if r.numel() else 0.0)
+    return worst
+
+
+def _cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, tuple, float]]:
+    """(op name, kernel launcher, reference, CPU inputs, tolerance) for each op."""
+    x, r = torch.randn(7, 1000, dtype=dtype), torch.randn(7, 1000, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(1000)).to(dtype)
+    gate_up = torch.randn(7, 2 * 1000, dtype=dtype)
+    s = torch.tensor([0.01])
+    tol = REL_TOL[dtype]
+    fp8_tol = 1 / 8  # one e4m3 step (3 mantissa bits) relative to the largest value
+    Q = norm_k
+    return [
+        ("rms_norm", lambda a, b: norm_k.rms_norm_triton(a, b, 1e-6), lambda a, b: norm.rms_norm_reference(a, b, 1e-6), (x, w), tol),
+        ("fused_add_rms_norm", lambda a, c, b: norm_k.rms_norm_triton(a, b, 1e-6, residual=c),
+         lambda a, c, b: norm.fused_add_rms_norm_reference(a, c, b, 1e-6), (x, r, w), tol),
+        ("silu_and_mul", act_k.silu_and_mul_triton, activation.silu_and_mul_reference, (gate_up,), tol),
+        ("static_scaled_fp8_quant", fp8_k.static_scaled_fp8_quant_triton, fp8.static_scaled_fp8_quant_reference, (x, s), fp8_tol),
+        ("dynamic_per_token_scaled_fp8_quant", fp8_k.dynamic_per_token_scaled_fp8_quant_triton,
+         fp8.dynamic_per_token_scaled_fp8_quant_reference, (x,), fp8_tol),
+        ("rms_norm_static_fp8_quant", lambda a, b, c: Q.rms_norm_triton(a, b, 1e-6, quant=Q.QUANT_STATIC, scale=c),
+         lambda a, b, c: fused_quant.rms_norm_static_fp8_quant_reference(a, b, c, 1e-6), (x, w, s), fp8_tol),
+        ("fused_add_rms_norm_static_fp8_quant",
+         lambda a, c, b, d: Q.rms_norm_triton(a, b, 1e-6, residual=c, quant=Q.QUANT_STATIC, scale=d),
+         lambda a, c, b, d: fused_quant.fused_add_rms_norm_static_fp8_quant_reference(a, c, b, d, 1e-6), (x, r, w, s), fp8_tol),
+        ("rms_norm_dynamic_per_token_fp8_quant", lambda a, b: Q.rms_norm_triton(a, b, 1e-6, quant=Q.QUANT_DYNAMIC),
+         lambda a, b: fused_quant.rms_norm_dynamic_per_token_fp8_quant_reference(a, b, 1e-6), (x, w), fp8_tol),
+        ("silu_and_mul_static_fp8_quant", lambda a, b: act_k.silu_and_mul_triton(a, scale=b),
+         fused_quant.silu_and_mul_static_fp8_quant_reference, (gate_up, s), fp8_tol),
+    ] + _attention_cases(dtype)
+
+
+def _attention_cases(dtype: torch.dtype) -> list:
+    from .attention_selfcheck import attention_cases
+    return attention_cases(dtype)
+
+
+def run_checks(device: str, dtypes=(torch.float32, torch.bfloat16)) -> list[CheckResult]:
+    results = []
+    for dtype in dtypes:
+        torch.manual_seed(0)
+        for name, kernel, reference, inputs, tol in _cases(dtype):
+            start = time.perf_counter()
+            out = kernel(*(t.to(device) for t in inputs))
+            seconds = time.perf_counter() - start
+            results.append(CheckResult(name, dtype, _max_rel_error(out, reference(*inputs)), tol, seconds))
+    return results

@@ -1,0 +1,47 @@
+"""The command line as a user meets it: real subprocesses, exit codes, no tracebacks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "static_scaled_fp8_quant",
+       "dynamic_per_token_scaled_fp8_quant", "fp8_gemm", "rms_norm_static_fp8_quant",
+       "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_fp8_quant",
+       "silu_and_mul_static_fp8_quant", "reshape_and_cache", "paged_attention",
+       "paged_attention_decode_split_kv", "unified_attention"]
+
+
+def vgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "vgraph.cli", *args], capture_output=True,
+                          text=True, timeout=300, env=full_env)
+
+
+def test_ops_list_names_every_op():
+    result = vgraph("ops", "list")
+    assert result.returncode == 0, result.stderr
+    for op in OPS:
+        assert f"vgraph::{op}(" in result.stdout
+
+
+def test_ops_check_passes_on_cpu():
+    result = vgraph("ops", "check", "--device", "cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 failed" in result.stdout and "interpreted" in result.stdout
+
+
+def test_bad_arguments_exit_2_without_traceback():
+    result = vgraph("ops", "frobnicate")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "invalid choice" in result.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    result = vgraph("ops", "check", "--device", "cuda")
+    assert result.returncode == 2
+    assert "CUDA is not available" in result.stderr and "Traceback" not in result.stderr
