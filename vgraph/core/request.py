@@ -47,6 +47,8 @@ class Request:
     generator: Optional[torch.Generator] = None
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    # Mixed into the first prefix-cache block hash: requests with different salts never share KV.
+    cache_salt: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

@@ -1,0 +1,314 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+Each step has a token budget (``max_num_batched_tokens``) and a seat limit (``max_num_seqs``).
+Running requests go first, in admission order: a decode costs one token, a request still in
+chunked prefill takes what is left of its prompt up to the remaining budget. Waiting requests
+are admitted FIFO with whatever budget and seats remain, starting from their cached prefix and
+splitting long prompts into chunks. Decodes and prefill chunks share one mixed batch.
+
+When a running request cannot get a block, the newest running request is preempted by
+recompute: its blocks are freed and it returns to the front of the waiting queue, to re-run its
+prompt and the tokens it already generated as a prefill. Newest-first keeps the oldest
+requests (closest to finishing, longest waited) making progress.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from ..config import CacheConfig, SchedulerConfig
+from .block_pool import BlockPool
+from .kv_cache_manager import KVCacheManager, token_slice
+from .request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: ``num_new_tokens`` tokens from ``start_position`` on.
+
+    The tokens are ``request.all_token_ids[start_position:start_position + num_new_tokens]`` at
+    positions ``start_position..``; ``start_position`` equals ``request.num_computed_tokens``
+    until ``Scheduler.update`` advances it.
+    """
+
+    request: Request
+    num_new_tokens: int
+    start_position: int = field(init=False)
+    # Whether this chunk reaches the last known token, so the runner samples the next one.
+    # Fixed at scheduling time: it must not change when update() advances the request.
+    produces_token: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start_position = self.request.num_computed_tokens
+        self.produces_token = self.start_position + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The token ids to compute this step (a fresh list)."""
+        return token_slice(self.request, self.start_position, self.start_position + self.num_new_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one forward pass computes, in batch order."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted while building this step (now at the front of the waiting queue).
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that finished or were aborted since the previous step: the runner drops its
+    # per-request state for them.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def samples(self) -> list[ScheduledRequest]:
+        """The scheduled requests that produce a token this step, in batch order."""
+        return [s for s in self.scheduled if s.produces_token]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every row is one token that is sampled: the batch can replay a FULL CUDA graph."""
+        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.produces_token
+                                            for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides each step's batch and folds the sampled tokens back into the requests."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, max_model_len: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = max_model_len
+        pool = BlockPool(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(pool, max_model_len)
+        # A request alone must always fit in the pool, or preemption could never make room:
+        # generation stops at the pool's capacity as it does at max_model_len.
+        self.max_seq_len = min(max_model_len, num_blocks * cache_config.block_size)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: set[str] = set()
+
+    # -- queue management -------------------------------------------------------------------
+
+    @property
+    def block_pool(self) -> BlockPool:
+        return self.kv_cache_manager.pool
+
+    @property
+    def kv_manager(self) -> KVCacheManager:
+        """Short name for ``kv_cache_manager`` (the engine's stats read the pool through it)."""
+        return self.kv_cache_manager
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a new request; raises ValueError for one that could never be served."""
+        self._validate(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Aborts requests in any state, freeing their blocks; unknown or finished ids are ignored."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> None:
+        """Ends requests for reasons found outside the scheduler (stop strings, client gone)."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        finished = [self.requests[i] for i in dict.fromkeys(ids) if i in self.requests]
+        if not finished:
+            return
+        for request in finished:
+            request.status = status
+            self._release(request)
+        self.running = [r for r in self.running if not r.status.finished]
+        if any(r.status.finished for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.status.finished)
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Builds the next batch; ``num_computed_tokens`` is advanced later, by ``update``."""
+        output = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Schedules running requests in order, preempting the newest when blocks run out."""
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, output):
+                break
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
+        """Preempts from the back of ``running`` until ``request`` fits; False if it went itself.
+
+        Requests before ``request`` in the running list are already scheduled this step and
+        the victim is always the last one, so no scheduled request is ever taken back.
+        """
+        while not self.kv_cache_manager.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests FIFO while budget, seats and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                if not self._may_chunk(num_new):
+                    break
+                num_new = budget
+            if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            output.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def _may_chunk(self, num_new: int) -> bool:
+        """Without chunked prefill a prompt runs whole; a preempted request whose prompt plus
+        output outgrew the whole budget is still chunked, or it could never run again."""
+        return self.config.enable_chunked_prefill or num_new > self.config.max_num_batched_tokens
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        """Moves the head of the queue to running, past its cached prefix.
+
+        ``num_cached_prefix_tokens`` (reported as cached prompt tokens) is set on the first
+        admission only; a re-admission after preemption may hit its own generated tokens.
+        """
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_prefix_tokens = num_hit_tokens
+        self.running.append(request)
+
+    # -- results ----------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+               logprobs: Optional[dict[str, dict[int, float]]] = None) -> list[Request]:
+        """Applies a step's results; returns the requests that got a token (finished included).
+
+        Requests aborted between ``schedule`` and ``update`` are skipped: their blocks are
+        already gone and their tokens are no longer wanted.
+        """
+        new_token_requests: list[Request] = []
+        any_finished = False
+        now = time.monotonic()
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.produces_token:
+                self._append_token(request, sampled_token_ids[request.request_id], logprobs, now)
+                new_token_requests.append(request)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if scheduled.produces_token and self._check_stop(request):
+                self._release(request)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if not r.status.finished]
+        return new_token_requests
+
+    @staticmethod
+    def _append_token(request: Request, token_id: int,
+                      logprobs: Optional[dict[str, dict[int, float]]], now: float) -> None:
+        request.output_token_ids.append(token_id)
+        if logprobs is not None and request.request_id in logprobs:
+            request.logprobs.append(logprobs[request.request_id])
+        if request.first_token_time is None:
+            request.first_token_time = now
+
+    def _check_stop(self, request: Request) -> bool:
+        """Sets a finished status after a new token; length caps win, as in vLLM.
+
+        EOS and stop token ids do not end a request before ``min_tokens`` tokens.
+        """
+        params = request.sampling_params
+        num_output = len(request.output_token_ids)
+        if request.num_tokens >= self.max_seq_len or (
+                params.max_tokens is not None and num_output >= params.max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if num_output < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def _release(self, request: Request) -> None:
+        """Frees a finished request's blocks and forgets it (the queues are pruned by callers)."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _validate(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("the prompt must contain at least one token")
+        if num_prompt >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_prompt} tokens, which leaves no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        capacity = self.block_pool.num_blocks * self.block_size
+        if num_prompt >= capacity:
+            raise ValueError(f"the prompt has {num_prompt} tokens but the KV cache holds only "
+                             f"{capacity} tokens ({self.block_pool.num_blocks} blocks of {self.block_size})")
+        if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {num_prompt} tokens, more than max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}, and chunked prefill is disabled")
