@@ -1,0 +1,1 @@
+"""Engine-side pieces around the step loop: LLMEngine, AsyncEngine, the offline LLM, detokenization."""

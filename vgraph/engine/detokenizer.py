@@ -1,0 +1,128 @@
+"""Incremental detokenization and stop-string detection for one sequence.
+
+Decoding the whole output every step is quadratic, and decoding each new token alone is wrong:
+byte-level BPE tokens can hold part of a UTF-8 character, and SentencePiece-style decoders
+treat a sequence's first token differently (leading-space handling). So this keeps two offsets
+into the token ids, as vLLM does:
+
+- ``prefix_offset``: start of a few already-emitted tokens decoded again as context;
+- ``read_offset``: end of the tokens whose text has been emitted.
+
+Each step decodes ``ids[prefix_offset:read_offset]`` and ``ids[prefix_offset:]``; the new text
+is the difference. If the longer decode ends in U+FFFD the last token is an incomplete UTF-8
+sequence, so nothing is emitted and the offsets stay put until the character completes.
+Decoding goes through ``tokenizer.decode`` (with ``clean_up_tokenization_spaces=False``, so
+the pieces concatenate), which works for any Hugging Face tokenizer, special/added tokens
+included. The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
+clean_up_tokenization_spaces=False)``, except that the prompt's last tokens serve as context
+for the first output token (e.g. its leading space is kept, as in vLLM).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:
+    from ..core.request import Request
+
+_REPLACEMENT_CHAR = "\ufffd"
+# How many prompt tokens to keep as decoding context for the first output token (vLLM's value).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Builds ``output_text`` token by token and cuts it at the first stop string.
+
+    ``output_text`` is the text so far (after any stop-string truncation). ``sent_offset`` is
+    how many of its characters ``get_delta_text`` has already handed out for streaming.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 stop: Optional[Sequence[str]] = None, include_stop_str_in_output: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop: list[str] = [s for s in (stop or []) if s]
+        self.include_stop_str_in_output = include_stop_str_in_output
+        context = list(prompt_token_ids)[-_PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = context  # prompt context + every output token
+        self._num_context = len(context)
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.output_text = ""
+        self.sent_offset = 0
+        self.stop_reason: Optional[str] = None
+        self._max_stop_len = max((len(s) for s in self.stop), default=0)
+
+    @classmethod
+    def from_request(cls, tokenizer: Any, request: "Request") -> "IncrementalDetokenizer":
+        """Takes the stop strings and special-token handling from the request's SamplingParams."""
+        params = request.sampling_params
+        return cls(tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+                   stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._ids[self._num_context:]
+
+    @property
+    def finished(self) -> bool:
+        """True once a stop string has matched; later updates add tokens but no text."""
+        return self.stop_reason is not None
+
+    def update(self, new_token_ids: Sequence[int]) -> Optional[str]:
+        """Appends tokens, extends ``output_text``; returns the stop string if one now matched."""
+        if self.finished:
+            self._ids.extend(new_token_ids)
+            return None
+        previous_len = len(self.output_text)
+        for token_id in new_token_ids:
+            self._ids.append(token_id)
+            self.output_text += self._decode_step()
+        return self._check_stop(previous_len)
+
+    def get_delta_text(self, finished: bool = False) -> str:
+        """Text not streamed yet, marking it sent.
+
+        While the sequence runs, the last ``max stop length - 1`` characters are withheld
+        because they could be the start of a stop string that must not reach the client. Once
+        finished (a stop string matched, or the caller says so) everything left is released.
+        """
+        end = len(self.output_text)
+        if not (finished or self.finished or self.include_stop_str_in_output):
+            end = max(self.sent_offset, end - max(self._max_stop_len - 1, 0))
+        delta = self.output_text[self.sent_offset:end]
+        self.sent_offset = end
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def _decode_step(self) -> str:
+        """Text completed by the latest token; '' while a UTF-8 character is still partial."""
+        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self._ids[self.prefix_offset:])
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        return full_text[len(prefix_text):]
+
+    def _check_stop(self, previous_len: int) -> Optional[str]:
+        """Finds the earliest stop string that ends in the new text and truncates there.
+
+        A match must overlap the new text (the old text had none), so the search starts
+        ``len(stop) - 1`` characters before it. Earliest start wins; on a tie, the first listed.
+        """
+        best: Optional[tuple[int, str]] = None
+        for stop in self.stop:
+            start = max(0, previous_len - len(stop) + 1)
+            index = self.output_text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        cut = index + len(stop) if self.include_stop_str_in_output else index
+        self.output_text = self.output_text[:cut]
+        self.sent_offset = min(self.sent_offset, cut)
+        self.stop_reason = stop
+        return stop
