@@ -1,0 +1,182 @@
+"""Loads a Hugging Face checkpoint directory (or hub id) into vgraph's model modules.
+
+Only safetensors checkpoints are read (single file or sharded with an index), which lets
+weights stream tensor by tensor straight into the model's preallocated parameters without
+materializing a second copy of the model. The hub is touched only for ids that are not local
+directories, so everything works offline given a local path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from vgraph.config import ModelConfig, resolve_dtype
+
+from .registry import get_model_class
+
+logger = logging.getLogger("vgraph")
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# What a hub download fetches: config, weights, tokenizer and generation defaults only.
+HUB_ALLOW_PATTERNS = [
+    "config.json", "generation_config.json", "*.safetensors", SAFETENSORS_INDEX,
+    "tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.tiktoken",
+    "tokenizer.model", "chat_template*",
+]
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    weights_bytes: int  # parameter bytes in the loaded dtype (what the weights occupy)
+    load_seconds: float  # config read + model build + weight copy
+
+    @property
+    def weights_gib(self) -> float:
+        return self.weights_bytes / 2**30
+
+
+def format_bytes(num_bytes: int) -> str:
+    """Human-readable size in MiB below 1 GiB, else GiB."""
+    if num_bytes < 2**30:
+        return f"{num_bytes / 2**20:.1f} MiB"
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> str:
+    """A local directory as is; anything else is a hub id fetched (or found in the HF cache).
+
+    Raises RuntimeError with a plain explanation when the id cannot be fetched (offline,
+    unknown repo, network error), since the raw hub exceptions do not say what to do instead.
+    """
+    expanded = os.path.expanduser(name_or_path)
+    if os.path.isdir(expanded):
+        return os.path.abspath(expanded)
+    if expanded.startswith(("/", "./", "../")) or os.path.exists(expanded):
+        raise RuntimeError(f"model path {name_or_path!r} is not a directory")
+    return _snapshot_download(name_or_path, revision)
+
+
+def _snapshot_download(repo_id: str, revision: Optional[str]) -> str:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as exc:  # hub errors have many types (offline, 404, auth, network, bad id)
+        raise RuntimeError(
+            f"could not fetch model {repo_id!r} from the Hugging Face Hub "
+            f"({type(exc).__name__}: {exc}); check the model id and network access, or pass a "
+            "local directory path containing config.json and *.safetensors, which works "
+            "offline") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_hf_config(path: str) -> Any:
+    """The transformers config, after checking the architecture is one vgraph runs.
+
+    The architecture check reads config.json directly first, so an unsupported model gets
+    vgraph's error (naming what is supported) rather than a transformers one.
+    """
+    from transformers import AutoConfig
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {path}")
+    get_model_class(_read_json(config_file).get("architectures"))
+    return AutoConfig.from_pretrained(path)
+
+
+def safetensors_files(path: str) -> list[Path]:
+    """The weight files: the index's shards, else model.safetensors, else any *.safetensors."""
+    root = Path(path)
+    if (root / SAFETENSORS_INDEX).is_file():
+        weight_map = _read_json(root / SAFETENSORS_INDEX)["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    if (root / SAFETENSORS_FILE).is_file():
+        return [root / SAFETENSORS_FILE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (other weight formats "
+                                "are not supported)")
+    return files
+
+
+def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, CPU tensor) one at a time, so peak extra memory is one tensor."""
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
+    """The dtype the checkpoint declares (``dtype`` in transformers 5, ``torch_dtype`` before)."""
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def load_model(model_config: ModelConfig,
+               device: torch.device | str) -> tuple[nn.Module, Any, LoadStats]:
+    """Builds the model for ``model_config.model`` on ``device`` and loads its weights."""
+    start = time.perf_counter()
+    path = resolve_model_path(model_config.model, model_config.revision)
+    hf_config = load_hf_config(path)
+    model_cls = get_model_class(hf_config.architectures)
+    dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
+    model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len)
+    model.load_weights(iterate_weights(path))
+    model.eval()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = LoadStats(weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+                      load_seconds=time.perf_counter() - start)
+    logger.info("Loaded model %s (%s, %s): %s of weights in %.2f s", model_config.model,
+                hf_config.architectures[0], str(dtype).removeprefix("torch."),
+                format_bytes(stats.weights_bytes), stats.load_seconds)
+    return model, hf_config, stats
+
+
+def load_tokenizer(path: str, revision: Optional[str] = None) -> Any:
+    """The checkpoint's tokenizer via transformers (a local dir or a hub id)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(path, revision))
+
+
+def _as_id_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}
+
+
+def load_generation_config(path: str) -> set[int]:
+    """The end-of-sequence token ids generation stops at.
+
+    config.json's ``eos_token_id`` (an int or a list) is the fallback; generation_config.json,
+    when present and naming eos ids, overrides it, as transformers' generate() does (Llama 3
+    instruct, for one, lists several stop ids only there).
+    """
+    root = Path(path)
+    eos: set[int] = set()
+    if (root / "config.json").is_file():
+        eos = _as_id_set(_read_json(root / "config.json").get("eos_token_id"))
+    if (root / "generation_config.json").is_file():
+        eos = _as_id_set(_read_json(root / "generation_config.json").get("eos_token_id")) or eos
+    return eos
