@@ -15,7 +15,12 @@ _LAZY = {
     "ops": ("vgraph.ops", None),
     "passes": ("vgraph.passes", None),
     "SamplingParams": ("vgraph.sampling_params", "SamplingParams"),
+    "LLM": ("vgraph.engine.llm", "LLM"),
+    "LLMEngine": ("vgraph.engine.llm_engine", "LLMEngine"),
+    "RequestOutput": ("vgraph.engine.outputs", "RequestOutput"),
+    "EngineConfig": ("vgraph.config", "EngineConfig"),
 }
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ops", "passes"]
 
 
 def __getattr__(name: str) -> Any:

@@ -51,6 +51,64 @@ def _ops_check(device: str) -> int:
     return 1 if failed else 0
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (named as in vLLM)."""
+    p.add_argument("--model", default=None, help="local HF model directory or hub id (default: the demo model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1)
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from vgraph.models.demo import ensure_demo_model
+    from vgraph.paths import cache_dir
+    logging.getLogger("vgraph").warning("no --model given: using the built-in demo model (untrained weights)")
+    return str(ensure_demo_model(cache_dir()))
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from vgraph import LLM, SamplingParams
+    params = SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos)
+    llm = LLM(_model_path(args), dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+              gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=args.kv_cache_gib,
+              device=args.device, seed=args.seed)
+    for out in llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1):
+        for completion in out.outputs:
+            print(f"--- prompt {out.prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
+            print(completion.text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vgraph", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -59,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("action", choices=["list", "check"])
     ops.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ops.set_defaults(handler=_cmd_ops)
+    gen = sub.add_parser("generate", help="generate completions for prompts offline")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(handler=_cmd_generate)
     return parser
 
 

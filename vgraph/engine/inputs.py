@@ -1,0 +1,55 @@
+"""Prompt normalization and the checks that keep bad input away from the engine."""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from ..sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+def prompt_to_ids(prompt: PromptType, tokenizer: Any) -> tuple[Optional[str], list[int]]:
+    """A string, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _as_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt, list(tokenizer.encode(prompt))
+    return None, _as_ids(prompt)
+
+
+def _as_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt token ids must be a list of integers")
+    return list(ids)
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
+                 max_model_len: int) -> SamplingParams:
+    """Raises ValueError for prompts the engine cannot serve; returns params with max_tokens set."""
+    if not ids:
+        raise ValueError("the prompt is empty (no tokens)")
+    bad = [t for t in ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
+                         "which must leave room for at least one generated token")
+    room = max_model_len - len(ids)
+    if params.max_tokens is None:
+        return _with_max_tokens(params, room)
+    if params.max_tokens > room:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})")
+    return params
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+    return replace(params, max_tokens=max_tokens)

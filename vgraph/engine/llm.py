@@ -1,0 +1,109 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ..sampling_params import SamplingParams
+from .inputs import PromptType
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Runs a batch of prompts to completion with continuous batching."""
+
+    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: Optional[int] = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_chunked_prefill: bool = True, block_size: int = 16,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks: Optional[int] = None, cpu_kv_cache_gib: float = 1.0,
+                 quantization: Optional[str] = None, tokenizer: Optional[str] = None,
+                 seed: int = 0, device: str = "auto", max_logprobs: int = 20) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
+                              quantization=quantization, seed=seed, tokenizer=tokenizer),
+            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gib=cpu_kv_cache_gib),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            device=device, max_logprobs=max_logprobs)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in the order given."""
+        prompts = self._as_list(prompts)
+        params = self._params_for(prompts, sampling_params)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.engine.abort_request(ids)  # nothing half-submitted stays in the engine
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (or ``chat_template``) to each conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.encode_chat(c, chat_template, add_generation_prompt)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, conversation: Conversation, chat_template: Optional[str] = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        tok = self.engine.tokenizer
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        text = tok.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                       add_generation_prompt=add_generation_prompt)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    @staticmethod
+    def _as_list(prompts: Any) -> list:
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        return [prompts] if single else list(prompts)
+
+    @staticmethod
+    def _params_for(prompts: list, sampling_params: Any) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+        return list(sampling_params)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,172 @@
+"""``LLMEngine``: requests in, one scheduler step + one model step at a time, outputs out."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..core.request import Request, RequestStatus
+from ..core.scheduler import Scheduler
+from ..models.loader import load_generation_config, load_model, load_tokenizer, resolve_model_path
+from ..sampling_params import SamplingParams
+from ..worker.kv_sizing import KVSpec, num_blocks_for
+from ..worker.runner import ModelRunner
+from .detokenizer import IncrementalDetokenizer
+from .inputs import PromptType, check_prompt, prompt_to_ids
+from .outputs import CompletionOutput, RequestOutput
+from .profiling import profile_peak_bytes
+
+logger = logging.getLogger("vgraph")
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _Group:
+    """One user request: ``n`` sequences sharing a prompt."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.status.finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        if config.model.quantization is not None:
+            raise ValueError(f"quantization={config.model.quantization!r} is not available in this "
+                             "version of vgraph (fp8 models arrive with the compiler); omit it")
+        self.device = config.resolved_device()
+        path = resolve_model_path(config.model.model, config.model.revision)
+        config.model.model = str(path)
+        torch.manual_seed(config.model.seed)
+        self.model, self.hf_config, self.load_stats = load_model(config.model, self.device)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or path)
+        self.eos_token_ids = frozenset(load_generation_config(path))
+        self.max_model_len = self._max_model_len()
+        self.vocab_size = self.model.vocab_size
+        self.runner = self._build_runner()
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len)
+        self._groups: dict[str, _Group] = {}
+        self._seq_to_group: dict[str, str] = {}
+        logger.info("engine ready in %.2f s", time.perf_counter() - start)
+
+    def _max_model_len(self) -> int:
+        limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
+        wanted = self.config.model.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _build_runner(self) -> ModelRunner:
+        m = self.model
+        spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.config.cache.block_size,
+                      next(m.parameters()).dtype)
+        peak = 0
+        if self.device.type == "cuda" and self.config.cache.num_gpu_blocks is None:
+            peak = profile_peak_bytes(m, spec, self.config.scheduler, self.max_model_len, self.device)
+        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak)
+        tokens = num_blocks * spec.block_size
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
+                    "max_model_len %d: %.2fx", num_blocks, spec.block_size, tokens,
+                    num_blocks * spec.bytes_per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
+        return ModelRunner(m, spec, num_blocks, self.device, m.vocab_size)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
+        """Validates everything first: a bad request raises ValueError and touches nothing."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params.validate(self.config.max_logprobs)
+        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        group = _Group(request_id, text, ids)
+        for i in range(params.n):
+            child_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                           params.stop, params.include_stop_str_in_output)
+            group.sequences.append(_Sequence(req, detok))
+        for seq in group.sequences:
+            self.scheduler.add_request(seq.request)
+            self._seq_to_group[seq.request.request_id] = request_id
+        self._groups[request_id] = group
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        seq_ids = [s.request.request_id for rid in ids if rid in self._groups
+                   for s in self._groups[rid].sequences]
+        self.scheduler.abort_requests(seq_ids)
+        for rid in ids:
+            self._forget(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _forget(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        for seq in group.sequences if group else []:
+            self._seq_to_group.pop(seq.request.request_id, None)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, and returns the outputs of requests that advanced."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        result = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, result.sampled, result.logprobs)
+        touched: dict[str, _Group] = {}
+        for req in advanced:
+            group_id = self._seq_to_group[req.request_id]
+            group = self._groups[group_id]
+            self._detokenize(group, req)
+            touched[group_id] = group
+        outputs = [self._output(g) for g in touched.values()]
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+        return outputs
+
+    def _detokenize(self, group: _Group, req: Request) -> None:
+        seq = next(s for s in group.sequences if s.request is req)
+        stop = seq.detokenizer.update([req.output_token_ids[-1]])
+        if stop is not None and not req.status.finished:
+            req.stop_reason = stop
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, seq in enumerate(group.sequences):
+            req = seq.request
+            wants_logprobs = req.sampling_params.logprobs is not None
+            lps = list(req.logprobs) if wants_logprobs else None
+            cumulative = (sum(d[t] for d, t in zip(lps, req.output_token_ids)) if lps else None)
+            completions.append(CompletionOutput(i, seq.detokenizer.output_text, list(req.output_token_ids),
+                                                cumulative, lps, req.finish_reason, req.stop_reason))
+        cached = group.sequences[0].request.num_cached_prefix_tokens
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             group.finished, cached)
+
+    def stats(self) -> dict[str, Any]:
+        pool = self.scheduler.kv_manager.pool
+        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+                "kv_usage": pool.usage, "prefix_cache_queries": pool.prefix_cache_queries,
+                "prefix_cache_hits": pool.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions}
