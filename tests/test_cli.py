@@ -45,3 +45,24 @@ def test_cuda_device_without_cuda_is_a_clear_error():
     result = vgraph("ops", "check", "--device", "cuda")
     assert result.returncode == 2
     assert "CUDA is not available" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_on_the_demo_model(tmp_path):
+    result = vgraph("generate", "--prompt", "Hello", "--max-tokens", "8", "--ignore-eos",
+                    "--device", "cpu", "--kv-cache-gib", "0.01", env={"VGRAPH_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert "[length, 8 tokens]" in result.stdout
+    assert (tmp_path / "demo-model-v1" / "config.json").exists()
+    assert "demo model" in result.stderr, "the demo model is announced as such"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "temperature must be non-negative"),
+    (["--model", "/nonexistent/model"], "is not a directory"),
+    (["--max-tokens", "0"], "max_tokens must be at least 1"),
+])
+def test_generate_bad_input_exits_2_with_a_message(tmp_path, args, message):
+    result = vgraph("generate", "--prompt", "Hello", "--device", "cpu", "--kv-cache-gib", "0.01", *args,
+                    env={"VGRAPH_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr

@@ -131,11 +131,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
-    except (UserError, ValueError, FileNotFoundError) as exc:
-        print(f"vgraph {args.command}: error: {exc}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
+        print(f"vgraph {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _is_user_error(exc: Exception) -> bool:
+    """Errors caused by what the user asked for (bad flags, values, paths, model ids)."""
+    kinds: tuple = (UserError, ValueError, FileNotFoundError)
+    loader = sys.modules.get("vgraph.models.loader")  # not imported for every command
+    if loader is not None:
+        kinds += (loader.ModelLoadError,)
+    return isinstance(exc, kinds)
 
 
 if __name__ == "__main__":

@@ -79,7 +79,9 @@ class LLMEngine:
         peak = 0
         if self.device.type == "cuda" and self.config.cache.num_gpu_blocks is None:
             peak = profile_peak_bytes(m, spec, self.config.scheduler, self.max_model_len, self.device)
-        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak)
+        seats = self.config.scheduler.max_num_seqs
+        useful = seats * -(-self.max_model_len // spec.block_size)
+        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak, useful)
         tokens = num_blocks * spec.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, spec.block_size, tokens,

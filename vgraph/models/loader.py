@@ -52,6 +52,10 @@ def format_bytes(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB"
 
 
+class ModelLoadError(RuntimeError):
+    """The model named by the user cannot be found or fetched; the message says what to do."""
+
+
 def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> str:
     """A local directory as is; anything else is a hub id fetched (or found in the HF cache).
 
@@ -62,7 +66,7 @@ def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> str
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
     if expanded.startswith(("/", "./", "../")) or os.path.exists(expanded):
-        raise RuntimeError(f"model path {name_or_path!r} is not a directory")
+        raise ModelLoadError(f"model path {name_or_path!r} is not a directory")
     return _snapshot_download(name_or_path, revision)
 
 
@@ -72,7 +76,7 @@ def _snapshot_download(repo_id: str, revision: Optional[str]) -> str:
     try:
         return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_ALLOW_PATTERNS)
     except Exception as exc:  # hub errors have many types (offline, 404, auth, network, bad id)
-        raise RuntimeError(
+        raise ModelLoadError(
             f"could not fetch model {repo_id!r} from the Hugging Face Hub "
             f"({type(exc).__name__}: {exc}); check the model id and network access, or pass a "
             "local directory path containing config.json and *.safetensors, which works "

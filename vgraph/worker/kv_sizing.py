@@ -26,8 +26,12 @@ class KVSpec:
 
 
 def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
-                   profile_peak_bytes: int = 0) -> int:
-    """Blocks for the pool. ``profile_peak_bytes``: peak device memory of a max-size forward."""
+                   profile_peak_bytes: int = 0, max_useful_blocks: int | None = None) -> int:
+    """Blocks for the pool. ``profile_peak_bytes``: peak device memory of a max-size forward.
+
+    On CPU the pool is also capped at ``max_useful_blocks`` (every seat filled to
+    max_model_len), so a small model does not allocate and zero a whole gigabyte for nothing.
+    """
     if cache.num_gpu_blocks is not None:
         return cache.num_gpu_blocks
     if device.type == "cuda":
@@ -41,7 +45,8 @@ def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
                 f"{profile_peak_bytes / 2**30:.1f} GiB used by weights and activations; raise "
                 "--gpu-memory-utilization or lower --max-num-batched-tokens")
         return blocks
-    return max(1, int(cache.cpu_kv_cache_gib * 2**30 // spec.bytes_per_block))
+    blocks = max(1, int(cache.cpu_kv_cache_gib * 2**30 // spec.bytes_per_block))
+    return min(blocks, max_useful_blocks) if max_useful_blocks else blocks
 
 
 def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
