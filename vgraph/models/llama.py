@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
-import vgraph.ops.unified_attention  # noqa: F401  (registers vgraph::unified_attention)
 
 from .rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
