@@ -8,7 +8,7 @@ import torch
 
 from .timing import machine_info, write_results
 
-SUITES = ("ops",)
+SUITES = ("ops", "offline")
 
 
 def main(argv=None) -> int:
@@ -22,8 +22,8 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("perf: --device cuda needs CUDA", file=sys.stderr)
         return 2
-    from .suites import ops
-    suite = {"ops": ops}[args.suite]
+    from .suites import offline, ops
+    suite = {"ops": ops, "offline": offline}[args.suite]
     result = suite.run(args.device, quick=args.quick)
     result["machine"] = machine_info(args.device)
     suffix = "-quick" if args.quick else ""
