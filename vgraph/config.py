@@ -51,10 +51,31 @@ class SchedulerConfig:
 
 
 @dataclass
+class CompileConfig:
+    """How the model is compiled. ``level="none"`` runs it eagerly (``--enforce-eager``)."""
+
+    level: str = "compiled"  # "none" | "compiled"
+    splitting_ops: list[str] = field(default_factory=lambda: ["vgraph::unified_attention"])
+    compile_sizes: list[int] = field(default_factory=list)  # token counts also compiled statically
+    enable_fusion: bool = True  # vgraph's own passes (RMSNorm+quant, SiLU+mul)
+    passes: list = field(default_factory=list)  # user passes, run after vgraph's own
+    custom_ops: bool = True  # False: layers use plain torch and Inductor generates the kernels
+    dump_graphs_dir: Optional[str] = None  # dump each graph before/after each pass here
+    use_cache: bool = True  # the on-disk compile cache under $VGRAPH_CACHE_DIR
+
+    def __post_init__(self) -> None:
+        if self.level not in ("none", "compiled"):
+            raise ValueError(f"compile level must be 'none' or 'compiled', got {self.level!r}")
+        if any(not isinstance(n, int) or n < 1 for n in self.compile_sizes):
+            raise ValueError(f"compile_sizes must be positive token counts, got {self.compile_sizes}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     device: str = "auto"  # "auto" = cuda when available, else cpu
     max_logprobs: int = 20
 
