@@ -6,7 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ..config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ..sampling_params import SamplingParams
 from .inputs import PromptType
 from .llm_engine import LLMEngine
@@ -24,7 +24,11 @@ class LLM:
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks: Optional[int] = None, cpu_kv_cache_gib: float = 1.0,
                  quantization: Optional[str] = None, tokenizer: Optional[str] = None,
-                 seed: int = 0, device: str = "auto", max_logprobs: int = 20) -> None:
+                 seed: int = 0, device: str = "auto", max_logprobs: int = 20,
+                 compile_config: Optional[CompileConfig] = None, enforce_eager: bool = False) -> None:
+        compile_config = compile_config or CompileConfig()
+        if enforce_eager:
+            compile_config.level = "none"
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               quantization=quantization, seed=seed, tokenizer=tokenizer),
@@ -33,7 +37,7 @@ class LLM:
                               num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gib=cpu_kv_cache_gib),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       enable_chunked_prefill=enable_chunked_prefill),
-            device=device, max_logprobs=max_logprobs)
+            compile=compile_config, device=device, max_logprobs=max_logprobs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

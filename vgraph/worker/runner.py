@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -28,8 +28,11 @@ class ModelRunner:
     """Owns the model and the KV caches; builds the flat batch and runs forward + sampler."""
 
     def __init__(self, model: torch.nn.Module, spec: KVSpec, num_blocks: int,
-                 device: torch.device, vocab_size: int) -> None:
+                 device: torch.device, vocab_size: int,
+                 forward_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
         self.model = model
+        # The compiled forward when compilation is on; the module itself when eager.
+        self.forward_fn = forward_fn or model
         self.spec = spec
         self.device = device
         self.vocab_size = vocab_size
@@ -50,8 +53,22 @@ class ModelRunner:
         batch.attn_metadata.num_kv_splits = self._kv_splits(batch.attn_metadata)
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches, self.softmax_scale)
         with set_forward_context(ctx):
-            hidden = self.model(batch.input_ids, batch.positions)
+            hidden = self.forward_fn(batch.input_ids, batch.positions)
         return hidden[batch.sample_indices]
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """One forward over dummy tokens that attend to nothing and write nothing: triggers
+        compilation (or the cache load) before the first request arrives."""
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=0)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        with set_forward_context(ForwardContext(meta, self.kv_caches, self.softmax_scale)):
+            self.forward_fn(ids, torch.arange(num_tokens, device=self.device))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -1,0 +1,202 @@
+"""vgraph's Dynamo backend: split at the splitting ops, compile each piece with Inductor
+(vgraph's passes as the post-grad custom pass), cache the artifacts."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from tqdm.auto import tqdm
+
+from ..config import CompileConfig
+from .cache import CompileCache
+from .counters import CompileCounters
+from .piece import PieceRunner, TokenDim, find_token_dim
+from .split import split_graph
+
+logger = logging.getLogger("vgraph")
+
+
+def _arg_signature(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return [[str(s) for s in arg.shape], str(arg.dtype), [str(s) for s in arg.stride()]]
+    return ["sym" if isinstance(arg, torch.SymInt) else type(arg).__name__, str(arg)]
+
+
+def _target_name(target: Any) -> str:
+    """A process-independent name for a node target (reprs of builtins carry addresses)."""
+    if isinstance(target, str) or isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{getattr(target, '__qualname__', getattr(target, '__name__', type(target).__name__))}"
+
+
+def structural_hash(gm: torch.fx.GraphModule, args: list) -> str:
+    """Identifies a piece by its structure and input shapes, not its node names, so the
+    identical middle layers of a model compile (and are cached) once."""
+    index = {}
+    lines = [repr([_arg_signature(a) for a in args])]
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        mapped = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+        target = _target_name(node.target) if node.op != "placeholder" else ""
+        lines.append(f"{node.op}|{target}|{mapped}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:20]
+
+
+def graph_hash(gm: torch.fx.GraphModule) -> str:
+    return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
+
+
+class VgraphBackend:
+    """Called by Dynamo with the captured graph; returns the split graph whose compiled
+    pieces are ``PieceRunner``s."""
+
+    def __init__(self, config: CompileConfig, post_grad_pass: Optional[Any], cache: CompileCache,
+                 counters: Optional[CompileCounters] = None) -> None:
+        self.config = config
+        self.post_grad_pass = post_grad_pass
+        self.cache = cache
+        self.counters = counters or CompileCounters()
+        self._artifacts: dict[tuple[str, str], Callable] = {}
+        self.dynamo_started: Optional[float] = None  # set by the caller before tracing
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        if self.dynamo_started is not None:
+            self.counters.dynamo_seconds += time.perf_counter() - self.dynamo_started
+        self.counters.graphs_seen += 1
+        split, pieces = split_graph(gm, self.config.splitting_ops)
+        compiled = {p.name for p in pieces if not p.is_splitting_op}
+        self.counters.pieces, self.counters.compiled_pieces = len(pieces), len(compiled)
+        self.cache.bind_graph(graph_hash(gm))
+        fake_mode = detect_fake_mode(example_inputs)
+        real_by_fake: dict[int, torch.Tensor] = {}
+        fake_args = [self._fake(a, fake_mode, real_by_fake) for a in example_inputs]
+        symbol = _token_symbol(fake_args)
+        bar = tqdm(total=len(compiled), desc="compiling pieces", unit="piece", leave=False)
+        runner = _PieceCompiler(split, compiled, self, symbol, real_by_fake, bar)
+        with fake_mode:
+            runner.run(*fake_args)
+        bar.close()
+        if self.post_grad_pass is not None and hasattr(self.post_grad_pass, "match_counts"):
+            self.counters.pass_matches = dict(self.post_grad_pass.match_counts())
+        return split
+
+    @staticmethod
+    def _fake(arg: Any, fake_mode: Any, real_by_fake: dict) -> Any:
+        if isinstance(arg, torch.Tensor) and not isinstance(arg, FakeTensor):
+            fake = fake_mode.from_tensor(arg)
+            real_by_fake[id(fake)] = arg
+            return fake
+        return arg
+
+    def artifact(self, module: torch.fx.GraphModule, args: list, piece_hash: str, size: Optional[int],
+                 real_by_fake: dict, symbol: Any) -> Optional[Callable]:
+        """The compiled callable for one (piece, size): memory, then disk, then Inductor."""
+        label = "dynamic" if size is None else str(size)
+        key = (piece_hash, label)
+        if key in self._artifacts:
+            return self._artifacts[key]
+        start = time.perf_counter()
+        loaded = self.cache.load(piece_hash, label) if self.config.use_cache else None
+        if loaded is not None:
+            self.counters.cache_loads += 1
+            self.counters.cache_load_seconds += time.perf_counter() - start
+            self._artifacts[key] = loaded
+            return loaded
+        example = args if size is None else _concrete_args(args, size, symbol, real_by_fake)
+        if example is None:
+            return None
+        artifact = self._inductor(module, example, dynamic=size is None)
+        self.counters.inductor_seconds += time.perf_counter() - start
+        if self.config.use_cache and self.cache.save(artifact, piece_hash, label):
+            self.counters.cache_saves += 1
+        self._artifacts[key] = artifact
+        return artifact
+
+    def _inductor(self, module: torch.fx.GraphModule, example: list, dynamic: bool) -> Any:
+        self.counters.inductor_compilations += 1
+        patches = {}
+        if self.post_grad_pass is not None:
+            patches["post_grad_custom_post_pass"] = self.post_grad_pass
+        mode = "from_tracing_context" if dynamic else "from_example_inputs"
+        return torch._inductor.standalone_compile(module, example, dynamic_shapes=mode,
+                                                  options={"config_patches": patches})
+
+
+def _token_symbol(fake_args: list) -> Any:
+    """The symbol of the token dimension: dim 0 of the first tensor input with a symbolic dim 0."""
+    for arg in fake_args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0 and isinstance(arg.shape[0], torch.SymInt):
+            return arg.shape[0].node.expr
+    return None
+
+
+def _concrete(value: Any, symbol: Any, size: int) -> Optional[int]:
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    expr = value.node.expr.subs(symbol, size)
+    return int(expr) if expr.is_number else None
+
+
+def _has_symbols(t: torch.Tensor) -> bool:
+    return any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride()))
+
+
+def _concrete_args(args: list, size: int, symbol: Any, real_by_fake: dict) -> Optional[list]:
+    """Real example inputs with the token count fixed to ``size`` (weights reused as they are)."""
+    out = []
+    with unset_fake_temporarily():
+        for arg in args:
+            if id(arg) in real_by_fake and not _has_symbols(arg):
+                out.append(real_by_fake[id(arg)])  # weights: the real tensor, no copy
+            elif isinstance(arg, torch.Tensor):
+                shape = [_concrete(s, symbol, size) for s in arg.shape]
+                stride = [_concrete(s, symbol, size) for s in arg.stride()]
+                if None in shape or None in stride:
+                    return None  # depends on another symbol: only the dynamic artifact serves
+                out.append(torch.empty_strided(shape, stride, dtype=arg.dtype, device=arg.device).zero_())
+            else:
+                value = _concrete(arg, symbol, size)
+                if value is None:
+                    return None
+                out.append(value)
+    return out
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs; at each compiled piece, compiles it with the
+    inputs it actually receives and swaps in a ``PieceRunner``."""
+
+    def __init__(self, split: torch.fx.GraphModule, compiled: set[str], backend: VgraphBackend,
+                 symbol: Any, real_by_fake: dict, bar: Any) -> None:
+        super().__init__(split)
+        self.split, self.compiled, self.backend = split, compiled, backend
+        self.symbol, self.real_by_fake, self.bar = symbol, real_by_fake, bar
+        self.unique: set[str] = set()
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        out = super().call_module(target, args, kwargs)
+        if target in self.compiled:
+            self._compile(target, list(args), out)
+        return out
+
+    def _compile(self, target: str, args: list, out: Any) -> None:
+        module = getattr(self.split, target)
+        piece_hash = structural_hash(module, args)
+        self.unique.add(piece_hash)
+        self.backend.counters.unique_piece_graphs = len(self.unique)
+        b = self.backend
+        dynamic = b.artifact(module, args, piece_hash, None, self.real_by_fake, self.symbol)
+        static = {}
+        for size in b.config.compile_sizes:
+            art = b.artifact(module, args, piece_hash, size, self.real_by_fake, self.symbol)
+            if art is not None:
+                static[size] = art
+        token_dim: Optional[TokenDim] = find_token_dim(args, self.symbol)
+        setattr(self.split, target, PieceRunner(dynamic, static, token_dim, not isinstance(out, (tuple, list))))
+        self.bar.update(1)

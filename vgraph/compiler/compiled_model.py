@@ -1,0 +1,47 @@
+"""The model's forward under ``torch.compile`` with vgraph's backend.
+
+Dynamo traces ``forward(input_ids, positions)`` once with the token dimension dynamic. After
+that first trace, calls skip guard evaluation (the compiled code serves every token count)
+and a recompile raises instead of silently compiling again: during serving it is a bug.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .backend import VgraphBackend
+
+logger = logging.getLogger("vgraph")
+
+# Dynamo specializes a dynamic dim on sizes 0 and 1, so one-token batches are padded to two
+# rows; the padding row attends to nothing, writes nothing, and is dropped.
+_MIN_TOKENS = 2
+
+
+class CompiledForward:
+    def __init__(self, model: torch.nn.Module, backend: VgraphBackend) -> None:
+        self.model = model
+        self.backend = backend
+        self._compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+        self.traced = False
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if n < _MIN_TOKENS:
+            pad = _MIN_TOKENS - n
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+        if not self.traced:
+            return self._first_call(input_ids, positions)[:n]
+        with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
+            return self._compiled(input_ids, positions)[:n]
+
+    def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        self.backend.dynamo_started = time.perf_counter()
+        out = self._compiled(input_ids, positions)
+        self.traced = True
+        return out

@@ -1,0 +1,61 @@
+"""Builds the compiled forward for an engine: pass manager, cache key, cache, backend."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..paths import cache_dir
+from .backend import VgraphBackend
+from .cache import CompileCache, environment_fingerprint, stable_hash
+from .compiled_model import CompiledForward
+from .counters import CompileCounters
+
+logger = logging.getLogger("vgraph")
+
+
+def build_pass_manager(config: EngineConfig) -> Optional[Any]:
+    """vgraph's fusion passes (when enabled) followed by the user's passes; None if none."""
+    if not config.compile.enable_fusion and not config.compile.passes:
+        return None
+    from vgraph.passes import PassManager, default_passes
+    passes = (default_passes() if config.compile.enable_fusion else []) + list(config.compile.passes)
+    return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
+
+
+def config_key(config: EngineConfig, hf_config: Any, dtype: torch.dtype, pass_uuid: Optional[str],
+               device: torch.device) -> str:
+    """Hash of everything outside the captured graph that changes the generated code."""
+    model = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "name_or_path")}
+    c = config.compile
+    return stable_hash({
+        "env": environment_fingerprint(device), "model": model, "dtype": str(dtype),
+        "quantization": config.model.quantization, "passes": pass_uuid,
+        "compile": {"splitting_ops": c.splitting_ops, "compile_sizes": sorted(c.compile_sizes),
+                    "custom_ops": c.custom_ops, "enable_fusion": c.enable_fusion},
+    })
+
+
+def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
+                           device: torch.device) -> tuple[CompiledForward, CompileCounters, CompileCache]:
+    manager = build_pass_manager(config)
+    key = config_key(config, hf_config, model.dtype, manager.uuid() if manager else None, device)
+    cache = CompileCache(cache_dir() if config.compile.use_cache else None, key)
+    counters = CompileCounters()
+    backend = VgraphBackend(config.compile, manager, cache, counters)
+    return CompiledForward(model, backend), counters, cache
+
+
+def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds: float) -> None:
+    c = counters
+    logger.info("compiled %d pieces (%d compiled, %d distinct) in %.2f s: Dynamo %.2f s, "
+                "Inductor %.2f s (%d compilations), cache %d loads (%.2f s), %d saves",
+                c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
+                c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
+                c.cache_saves)
+    if c.pass_matches:
+        logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
+    if cache.folder is not None:
+        logger.info("compile cache: %s", cache.folder)
