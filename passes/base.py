@@ -1,0 +1,162 @@
+"""What a pass is: ``VgraphPass`` for vgraph's own passes, ``CallablePass`` for user callables.
+
+Passes run as Inductor's ``post_grad_custom_post_pass``, so each must have a ``uuid()``: it
+enters Inductor's FX-graph cache key, and a pass whose code or settings changed must not be
+served a graph compiled by its previous version. ``VgraphPass.uuid()`` therefore hashes the
+source of the modules the pass lives in together with its ``config()``.
+
+Match counts are the research interface: every pass exposes ``matched_count`` (matches in
+its last call) and ``total_matched`` (all calls so far).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import sys
+from abc import abstractmethod
+from collections import Counter
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, Callable, Optional, Union
+
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import fx_utils
+
+logger = logging.getLogger("vgraph.passes")
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def source_of(module: ModuleType) -> Optional[str]:
+    """The module's source text, or None where there is none (a REPL, a frozen module)."""
+    try:
+        return inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+
+
+class VgraphPass(CustomGraphPass):
+    """Base of vgraph's passes: counting, and a uuid over source code and config.
+
+    Subclasses implement ``apply(graph)``, which rewrites the graph in place and returns the
+    number of matches per pattern name; and ``config()`` if they have settings. Calling the
+    pass runs ``apply`` and updates the counters.
+    """
+
+    #: Name in match-count dicts and logs; defaults to the class name.
+    name: str = ""
+    #: Matches in the most recent call.
+    matched_count: int = 0
+    #: Matches over all calls since construction (or ``reset_counts``).
+    total_matched: int = 0
+
+    @abstractmethod
+    def apply(self, graph: torch.fx.Graph) -> Mapping[str, int]:
+        """Rewrites ``graph`` in place; returns matches per pattern (zeros may be left out)."""
+
+    def config(self) -> dict[str, Any]:
+        """Settings that change what the pass does; they enter the uuid. JSON-able values."""
+        return {}
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        counts = self.apply(graph)
+        self.matched_count = sum(counts.values())
+        self.total_matched += self.matched_count
+        self.pattern_counts.update({k: v for k, v in counts.items() if v})
+
+    @property
+    def pattern_counts(self) -> Counter:
+        """Cumulative matches per pattern, e.g. ``{"rms_norm_static_fp8_quant": 2}``."""
+        return self.__dict__.setdefault("_pattern_counts", Counter())
+
+    def reset_counts(self) -> None:
+        self.matched_count = 0
+        self.total_matched = 0
+        self.pattern_counts.clear()
+
+    @property
+    def pass_name(self) -> str:
+        return self.name or type(self).__name__
+
+    def source_modules(self) -> list[ModuleType]:
+        """Modules whose code decides what this pass does: each VgraphPass class in its MRO,
+        plus the shared FX helpers. Override to add modules a pass also depends on."""
+        modules = {sys.modules[cls.__module__] for cls in type(self).__mro__
+                   if isinstance(cls, type) and issubclass(cls, VgraphPass)}
+        modules.add(fx_utils)
+        return sorted(modules, key=lambda m: m.__name__)
+
+    def uuid(self) -> Optional[str]:
+        """Hash of the pass's class, source modules and config; None if a source is missing.
+
+        None makes Inductor bypass its FX-graph cache for the compile, which is the safe
+        answer when we cannot tell two versions of the pass apart.
+        """
+        sources = {}
+        for module in self.source_modules():
+            text = source_of(module)
+            if text is None:
+                logger.warning("no source for %s: pass %s has no uuid, so Inductor will not "
+                               "cache graphs compiled with it", module.__name__, self.pass_name)
+                return None
+            sources[module.__name__] = _sha256(text)
+        key = {"class": f"{type(self).__module__}.{type(self).__qualname__}",
+               "config": self.config(), "sources": sources}
+        return _sha256(json.dumps(key, sort_keys=True, default=repr))
+
+    def __repr__(self) -> str:
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({settings})"
+
+
+class CallablePass(CustomGraphPass):
+    """Adapts a user pass, any ``callable(graph)`` with a ``uuid()``, to the manager.
+
+    The callable reports matches either by returning an int or by setting its own
+    ``matched_count`` to the number of matches of the call (as ``VgraphPass`` does); without
+    either, its count stays 0.
+    """
+
+    def __init__(self, fn: Callable[[torch.fx.Graph], Any], name: Optional[str] = None) -> None:
+        if not callable(fn) or not callable(getattr(fn, "uuid", None)):
+            raise TypeError(
+                f"a pass is a callable on a torch.fx.Graph with a uuid() method (the uuid "
+                f"keys Inductor's compile cache); got {fn!r}")
+        self.fn = fn
+        self.pass_name = (name or getattr(fn, "name", None) or getattr(fn, "__name__", None)
+                          or type(fn).__name__)
+        self.matched_count = 0
+        self.total_matched = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        result = self.fn(graph)
+        if isinstance(result, int) and not isinstance(result, bool):
+            count = result
+        else:
+            count = getattr(self.fn, "matched_count", 0)
+        self.matched_count = int(count)
+        self.total_matched += self.matched_count
+
+    def reset_counts(self) -> None:
+        self.matched_count = 0
+        self.total_matched = 0
+
+    def uuid(self) -> Optional[Any]:
+        return self.fn.uuid()
+
+    def __repr__(self) -> str:
+        return f"CallablePass({self.fn!r})"
+
+
+AnyPass = Union[VgraphPass, CallablePass]
+
+
+def as_pass(obj: Any) -> AnyPass:
+    """``obj`` itself if it is a VgraphPass or CallablePass, else ``CallablePass(obj)``."""
+    return obj if isinstance(obj, (VgraphPass, CallablePass)) else CallablePass(obj)

@@ -1,0 +1,142 @@
+"""Small helpers for reading and rewriting Inductor's post-grad FX graphs.
+
+The fusion passes walk the graph directly instead of using Inductor's pattern matcher: the
+patterns are short chains of custom ops, and a walk states every condition of a match (who
+else uses an intermediate, which dim a slice cuts, where the new node goes) in plain code
+that a reader can check. These helpers keep the passes themselves short.
+"""
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+# Meta entries a replacement node inherits from the node whose value it now produces:
+# "val" (the fake tensor) is what later Inductor passes and lowering read.
+_COPIED_META = ("val", "tensor_meta", "stack_trace")
+
+
+def is_call(node: Any, *targets: Any) -> bool:
+    """True when ``node`` is an FX ``call_function`` of one of ``targets`` (OpOverloads)."""
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def op_name(op: torch._ops.OpOverload) -> str:
+    """``vgraph::rms_norm_static_fp8_quant`` -> ``rms_norm_static_fp8_quant`` (pattern names)."""
+    return op._schema.name.split("::")[-1]
+
+
+def op_args(node: Node) -> dict[str, Any]:
+    """The call's arguments by schema name, filling in defaults.
+
+    The same op may be spelled with positional or keyword arguments, with or without its
+    defaults; reading by name makes matching independent of the spelling.
+    """
+    schema = node.target._schema  # type: ignore[union-attr]
+    named: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            named[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            named[arg.name] = node.kwargs[arg.name]
+        else:
+            named[arg.name] = arg.default_value if arg.has_default_value() else None
+    return named
+
+
+def value(arg: Any) -> Any:
+    """The trace-time value of an argument: a node's fake value (tensor or SymInt), else itself."""
+    return arg.meta.get("val") if isinstance(arg, Node) else arg
+
+
+def dtype_of(node: Any) -> Optional[torch.dtype]:
+    val = value(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """``a == b`` provably, for ints or SymInts; never adds a guard, so 'unknown' is False."""
+    if a is None or b is None:
+        return False
+    return bool(statically_known_true(a == b))
+
+
+def known_at_least(a: Any, b: Any) -> bool:
+    """``a >= b`` provably (see ``known_equal``)."""
+    if a is None or b is None:
+        return False
+    return bool(statically_known_true(a >= b))
+
+
+def is_last_dim(dim: Any, ndim: int) -> bool:
+    return isinstance(dim, int) and ndim > 0 and dim % ndim == ndim - 1
+
+
+def only_user(node: Node) -> Optional[Node]:
+    """The single user of ``node``, or None when it has zero or several."""
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def getitem_users(node: Node) -> Optional[dict[int, list[Node]]]:
+    """Users of a tuple-returning node grouped by index; None if anything else uses the tuple.
+
+    Rewriting a multi-output op is only safe when every consumer reads one element through
+    ``operator.getitem``: those reads can be re-pointed one by one.
+    """
+    by_index: dict[int, list[Node]] = {}
+    for user in node.users:
+        if not is_call(user, operator.getitem) or not isinstance(user.args[1], int):
+            return None
+        by_index.setdefault(user.args[1], []).append(user)
+    return by_index
+
+
+def users_within(nodes: Iterable[Node], allowed: Iterable[Node]) -> bool:
+    """True when every user of every node in ``nodes`` is in ``allowed``.
+
+    A fusion deletes the intermediates of a pattern; if something outside the pattern also
+    reads one, deleting it is impossible and keeping it would compute it twice.
+    """
+    allowed = set(allowed)
+    return all(user in allowed for node in nodes for user in node.users)
+
+
+def node_order(graph: Graph) -> dict[Node, int]:
+    """Position of each node, to decide where a replacement may be inserted."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def defined_before(arg: Any, node: Node, order: dict[Node, int]) -> bool:
+    """True when ``arg`` (a node or a constant) is available at ``node``'s position."""
+    return not isinstance(arg, Node) or order[arg] < order[node]
+
+
+def copy_meta(src: Node, dst: Node) -> None:
+    """Gives ``dst`` the metadata of ``src``, whose value it replaces."""
+    for key in _COPIED_META:
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def erase_dead(graph: Graph, nodes: Iterable[Node]) -> set[Node]:
+    """Erases those of ``nodes`` (call_function only) that no longer have users; returns them.
+
+    Repeats until nothing changes, so a chain whose tail was just erased goes too. Nodes
+    still used elsewhere (e.g. a slice another op also reads) stay.
+    """
+    pending = {node for node in nodes if node.op == "call_function"}
+    erased: set[Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for node in list(pending):
+            if not node.users:
+                graph.erase_node(node)
+                pending.discard(node)
+                erased.add(node)
+                changed = True
+    return erased
