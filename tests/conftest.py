@@ -5,13 +5,22 @@ before triton is imported; this module is imported by pytest before any test mod
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One compile cache for the whole test session, away from the user's: tests that build the
+# same model and config load each other's artifacts instead of compiling again.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="vgraph-test-cache-")
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+os.environ["VGRAPH_CACHE_DIR"] = _SESSION_CACHE
 
 import vgraph.ops  # noqa: E402  (registers torch.ops.vgraph after the interpreter switch)
 from vgraph.ops.kernels.common import INTERPRETED  # noqa: E402

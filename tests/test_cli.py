@@ -62,7 +62,24 @@ def test_generate_on_the_demo_model(tmp_path):
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
 ])
 def test_generate_bad_input_exits_2_with_a_message(tmp_path, args, message):
-    result = vgraph("generate", "--prompt", "Hello", "--device", "cpu", "--kv-cache-gib", "0.01", *args,
+    result = vgraph("generate", "--prompt", "Hello", "--device", "cpu", "--kv-cache-gib", "0.01",
+                    "--enforce-eager", *args,
                     env={"VGRAPH_CACHE_DIR": str(tmp_path)})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_compile_then_generate_loads_from_the_cache(tmp_path):
+    env = {"VGRAPH_CACHE_DIR": str(tmp_path)}
+    compiled = vgraph("compile", "--device", "cpu", "--kv-cache-gib", "0.01", env=env)
+    assert compiled.returncode == 0, compiled.stderr
+    assert "cache folder:" in compiled.stdout and "inductor:" in compiled.stdout
+    assert " 0 compilations" not in compiled.stdout, "the first compile really compiles"
+    listed = vgraph("cache", "list", env=env)
+    assert listed.returncode == 0 and "1 entries" in listed.stdout
+    generated = vgraph("generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
+                       "--kv-cache-gib", "0.01", env=env)
+    assert generated.returncode == 0, generated.stderr
+    assert "(0 compilations)" in generated.stderr, "a fresh process loads instead of compiling"
+    cleared = vgraph("cache", "clear", env=env)
+    assert cleared.returncode == 0 and "removed 1" in cleared.stdout

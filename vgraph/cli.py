@@ -64,6 +64,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--enforce-eager", action="store_true", help="no compilation (and no CUDA graphs)")
+    p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
+                   help="token counts compiled statically besides the dynamic shape")
+    p.add_argument("--no-custom-ops", dest="custom_ops", action="store_false",
+                   help="layers in plain torch, so Inductor generates the norm/activation kernels")
+    p.add_argument("--no-fusion", dest="enable_fusion", action="store_false",
+                   help="skip vgraph's fusion passes")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -90,18 +98,60 @@ def _model_path(args: argparse.Namespace) -> str:
     return str(ensure_demo_model(cache_dir()))
 
 
+def _llm_from_args(args: argparse.Namespace):
+    from vgraph import LLM
+    from vgraph.config import CompileConfig
+    compile_config = CompileConfig(level="none" if args.enforce_eager else "compiled",
+                                   compile_sizes=list(args.compile_sizes), custom_ops=args.custom_ops,
+                                   enable_fusion=args.enable_fusion)
+    return LLM(_model_path(args), dtype=args.dtype, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+               gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=args.kv_cache_gib,
+               device=args.device, seed=args.seed, quantization=args.quantization,
+               compile_config=compile_config)
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    """Compiles what `serve`/`generate` will need and stores it in the compile cache."""
+    import time
+    if args.enforce_eager:
+        raise UserError("--enforce-eager turns compilation off; nothing to compile")
+    start = time.perf_counter()
+    engine = _llm_from_args(args).engine
+    c, cache = engine.compile_counters, engine.compile_cache
+    print(f"model:          {engine.config.model.model}")
+    print(f"pieces:         {c.pieces} ({c.compiled_pieces} compiled, {c.unique_piece_graphs} distinct graphs)")
+    print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
+    print(f"cache loads:    {c.cache_loads} in {c.cache_load_seconds:.2f} s; saves: {c.cache_saves}")
+    print(f"pass matches:   " + (", ".join(f"{k}={v}" for k, v in c.pass_matches.items()) or "none"))
+    print(f"cache folder:   {cache.folder}")
+    print(f"total:          {time.perf_counter() - start:.2f} s")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from vgraph.compiler.cache import clear_entries, list_entries
+    from vgraph.paths import cache_dir
+    root = cache_dir()
+    if args.action == "clear":
+        print(f"removed {clear_entries(root)} compile cache entries from {root / 'compile'}")
+        return 0
+    entries = list_entries(root)
+    print(f"compile cache: {root / 'compile'} ({len(entries)} entries)")
+    for e in entries:
+        print(f"  {e['name']}  {e['artifacts']} artifacts  {e['bytes'] / 2**20:.1f} MiB")
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from vgraph import LLM, SamplingParams
+    from vgraph import SamplingParams
     params = SamplingParams(
         n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos)
-    llm = LLM(_model_path(args), dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-              gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=args.kv_cache_gib,
-              device=args.device, seed=args.seed)
+    llm = _llm_from_args(args)
     for out in llm.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1):
         for completion in out.outputs:
             print(f"--- prompt {out.prompt!r} [{completion.finish_reason}, {len(completion.token_ids)} tokens]")
@@ -122,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(handler=_cmd_generate)
+    comp = sub.add_parser("compile", help="fill the compile cache ahead of time so later starts are warm")
+    _add_engine_args(comp)
+    comp.set_defaults(handler=_cmd_compile)
+    cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
+    cache.add_argument("action", choices=["list", "clear"])
+    cache.set_defaults(handler=_cmd_cache)
     return parser
 
 

@@ -1,11 +1,13 @@
-"""The eager runtime is token-exact against Hugging Face transformers (fp32 greedy), with
-continuous batching, chunked prefill, prefix-cache hits and preemption."""
+"""The runtime is token-exact against Hugging Face transformers (fp32 greedy): eager and
+compiled, with vgraph's custom ops or plain-torch layers, with continuous batching, chunked
+prefill, prefix-cache hits and preemption."""
 from __future__ import annotations
 
 import pytest
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
+from vgraph.config import CompileConfig
 
 from .hf_oracle import hf_greedy, random_prompts
 
@@ -15,9 +17,16 @@ NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def _llm(path: str, **kw) -> LLM:
+MODES = {
+    "eager": CompileConfig(level="none"),
+    "compiled": CompileConfig(),
+    "compiled-torch-ops": CompileConfig(custom_ops=False),
+}
+
+
+def _llm(path: str, mode: str = "compiled", **kw) -> LLM:
     kw.setdefault("num_gpu_blocks", 256)
-    return LLM(path, dtype="float32", device="cpu", **kw)
+    return LLM(path, dtype="float32", device="cpu", compile_config=MODES[mode], **kw)
 
 
 def _check_equal_to_hf(path: str, llm: LLM, prompts: list[list[int]]) -> None:
@@ -33,24 +42,29 @@ def _all_blocks_free(llm: LLM) -> bool:
     return pool.num_free_blocks == llm.engine.runner.num_blocks
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_greedy_tokens_equal_transformers(arch):
+def test_greedy_tokens_equal_transformers(arch, mode):
     path = tiny_checkpoint(arch=arch)
-    llm = _llm(path)
+    llm = _llm(path, mode)
     _check_equal_to_hf(path, llm, random_prompts(LENGTHS, llm.engine.vocab_size))
     assert _all_blocks_free(llm)
+    if mode != "eager":
+        assert llm.engine.compile_counters.recompiles == 0
 
 
-def test_chunked_prefill_equals_transformers():
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_chunked_prefill_equals_transformers(mode):
     path = tiny_checkpoint(arch="llama")
-    llm = _llm(path, max_num_batched_tokens=16)
+    llm = _llm(path, mode, max_num_batched_tokens=16)
     _check_equal_to_hf(path, llm, random_prompts(LENGTHS, llm.engine.vocab_size, seed=1))
     assert _all_blocks_free(llm)
 
 
-def test_prefix_cache_hits_equal_transformers():
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_prefix_cache_hits_equal_transformers(mode):
     path = tiny_checkpoint(arch="qwen2")
-    llm = _llm(path)
+    llm = _llm(path, mode)
     shared = random_prompts([100], llm.engine.vocab_size, seed=2)[0]
     tails = random_prompts([1, 7, 16, 40], llm.engine.vocab_size, seed=3)
     # the first request fills the cache; the rest hit it
@@ -61,10 +75,11 @@ def test_prefix_cache_hits_equal_transformers():
     assert _all_blocks_free(llm)
 
 
-def test_preemption_equals_transformers():
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_preemption_equals_transformers(mode):
     path = tiny_checkpoint(arch="llama")
     # 8 requests need up to 8 * 15 blocks at the end; 40 blocks forces preemption by recompute
-    llm = _llm(path, num_gpu_blocks=40, enable_prefix_caching=False)
+    llm = _llm(path, mode, num_gpu_blocks=40, enable_prefix_caching=False)
     _check_equal_to_hf(path, llm, random_prompts([60, 70, 80, 90, 100, 110, 120, 130],
                                                   llm.engine.vocab_size, seed=4))
     assert llm.engine.scheduler.num_preemptions > 0

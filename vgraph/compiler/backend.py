@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 import torch
 from torch._guards import detect_fake_mode
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from tqdm.auto import tqdm
 
@@ -63,6 +65,8 @@ class VgraphBackend:
         self.cache = cache
         self.counters = counters or CompileCounters()
         self._artifacts: dict[tuple[str, str], Callable] = {}
+        self._graph_matches: dict[str, dict[str, int]] = {}  # piece hash -> pass -> matches
+        self._inductor_pass = _RunEveryTime(post_grad_pass) if post_grad_pass is not None else None
         self.dynamo_started: Optional[float] = None  # set by the caller before tracing
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -82,9 +86,24 @@ class VgraphBackend:
         with fake_mode:
             runner.run(*fake_args)
         bar.close()
-        if self.post_grad_pass is not None and hasattr(self.post_grad_pass, "match_counts"):
-            self.counters.pass_matches = dict(self.post_grad_pass.match_counts())
+        self._record_pass_matches(runner.piece_hashes)
         return split
+
+    def _record_pass_matches(self, piece_hashes: list[str]) -> None:
+        """Matches per site in the model: each compiled piece counts the matches of its graph,
+        so identical layers compiled once still count once per layer. Counts of graphs
+        loaded from the cache come from the record the cold compile left there."""
+        if self.post_grad_pass is None:
+            return
+        recorded = self.cache.read_pass_matches()
+        recorded.update(self._graph_matches)
+        if self._graph_matches:
+            self.cache.write_pass_matches(recorded)
+        totals: dict[str, int] = {}
+        for piece_hash in piece_hashes:
+            for name, count in recorded.get(piece_hash, {}).items():
+                totals[name] = totals.get(name, 0) + count
+        self.counters.pass_matches = totals
 
     @staticmethod
     def _fake(arg: Any, fake_mode: Any, real_by_fake: dict) -> Any:
@@ -103,6 +122,7 @@ class VgraphBackend:
             return self._artifacts[key]
         start = time.perf_counter()
         loaded = self.cache.load(piece_hash, label) if self.config.use_cache else None
+        self.counters.cache_errors += self.cache.take_errors()
         if loaded is not None:
             self.counters.cache_loads += 1
             self.counters.cache_load_seconds += time.perf_counter() - start
@@ -112,6 +132,8 @@ class VgraphBackend:
         if example is None:
             return None
         artifact = self._inductor(module, example, dynamic=size is None)
+        if size is None and self.post_grad_pass is not None:
+            self._graph_matches[piece_hash] = dict(getattr(self.post_grad_pass, "last_match_counts", {}))
         self.counters.inductor_seconds += time.perf_counter() - start
         if self.config.use_cache and self.cache.save(artifact, piece_hash, label):
             self.counters.cache_saves += 1
@@ -122,10 +144,29 @@ class VgraphBackend:
         self.counters.inductor_compilations += 1
         patches = {}
         if self.post_grad_pass is not None:
-            patches["post_grad_custom_post_pass"] = self.post_grad_pass
+            patches["post_grad_custom_post_pass"] = self._inductor_pass
         mode = "from_tracing_context" if dynamic else "from_example_inputs"
         return torch._inductor.standalone_compile(module, example, dynamic_shapes=mode,
                                                   options={"config_patches": patches})
+
+
+class _RunEveryTime(CustomGraphPass):
+    """The pass manager as Inductor sees it, with a uuid unique to this backend.
+
+    On a hit in Inductor's own FX-graph cache no post-grad pass runs, so match counts would
+    read 0. vgraph's artifact cache (keyed by the manager's real uuid) serves warm starts, so
+    Inductor's cache is made to miss here and the passes run whenever Inductor compiles.
+    """
+
+    def __init__(self, manager: Any) -> None:
+        self.manager = manager
+        self.nonce = uuid.uuid4().hex
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.manager(graph)
+
+    def uuid(self) -> str:
+        return f"{self.manager.uuid()}-{self.nonce}"
 
 
 def _token_symbol(fake_args: list) -> Any:
@@ -178,6 +219,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.split, self.compiled, self.backend = split, compiled, backend
         self.symbol, self.real_by_fake, self.bar = symbol, real_by_fake, bar
         self.unique: set[str] = set()
+        self.piece_hashes: list[str] = []
 
     def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
         out = super().call_module(target, args, kwargs)
@@ -189,6 +231,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         module = getattr(self.split, target)
         piece_hash = structural_hash(module, args)
         self.unique.add(piece_hash)
+        self.piece_hashes.append(piece_hash)
         self.backend.counters.unique_piece_graphs = len(self.unique)
         b = self.backend
         dynamic = b.artifact(module, args, piece_hash, None, self.real_by_fake, self.symbol)

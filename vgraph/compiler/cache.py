@@ -55,6 +55,11 @@ class CompileCache:
         self.config_key = config_key
         self.folder: Optional[Path] = None
         self._writable = root is not None
+        self._errors = 0  # unreadable entries and failed saves since the last take_errors()
+
+    def take_errors(self) -> int:
+        errors, self._errors = self._errors, 0
+        return errors
 
     def bind_graph(self, graph_hash: str) -> None:
         if self.root is not None:
@@ -71,6 +76,7 @@ class CompileCache:
             from torch._inductor import CompiledArtifact
             return CompiledArtifact.load(path=str(path), format="binary")
         except Exception as exc:  # a truncated or foreign file: recompile, never crash
+            self._errors += 1
             logger.warning("compile cache entry %s is unreadable (%s: %s); recompiling it",
                            path, type(exc).__name__, exc)
             return None
@@ -88,11 +94,30 @@ class CompileCache:
             self._write_meta()
             return True
         except OSError as exc:
+            self._errors += 1
             self._writable = False
             logger.warning("compile cache %s is not writable (%s); compiling in memory only",
                            path.parent, exc)
             _remove_quietly(locals().get("tmp"))
             return False
+
+    def write_pass_matches(self, matches: dict[str, dict[str, int]]) -> None:
+        """Pass matches per piece graph from the cold compile, for warm starts (which run no pass)."""
+        if self.folder is None or not self._writable:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            tmp = self.folder / ".pass_matches.json.tmp"
+            tmp.write_text(json.dumps(matches))
+            os.replace(tmp, self.folder / "pass_matches.json")
+        except OSError as exc:
+            logger.warning("could not record pass matches in %s (%s)", self.folder, exc)
+
+    def read_pass_matches(self) -> dict[str, dict[str, int]]:
+        try:
+            return json.loads((self.folder / "pass_matches.json").read_text()) if self.folder else {}
+        except (OSError, ValueError):
+            return {}
 
     def _write_meta(self) -> None:
         meta = self.folder / "meta.json"

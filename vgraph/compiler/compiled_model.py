@@ -21,6 +21,10 @@ _MIN_TOKENS = 2
 
 
 class CompiledForward:
+    """Callable like ``model.forward``. Call it under ``torch.inference_mode()`` with
+    inference tensors, as the runner does: Dynamo guards on that, so mixing in ordinary
+    tensors would be a recompile (which raises)."""
+
     def __init__(self, model: torch.nn.Module, backend: VgraphBackend) -> None:
         self.model = model
         self.backend = backend
