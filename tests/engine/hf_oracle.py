@@ -12,9 +12,12 @@ def _hf_model(path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@functools.lru_cache(maxsize=256)
 @torch.inference_mode()
 def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation (EOS ignored) and the log-softmax of each step's logits."""
+    """Greedy continuation (EOS ignored) and the log-softmax of each step's logits.
+
+    Cached: many tests (each execution mode) compare against the same oracle runs."""
     model = _hf_model(path)
     ids = torch.tensor([list(prompt_ids)])
     out = model(ids, use_cache=True)

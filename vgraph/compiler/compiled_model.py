@@ -15,6 +15,10 @@ from .backend import VgraphBackend
 
 logger = logging.getLogger("vgraph")
 
+# Every engine in a process traces the same ``forward`` code object once, and Dynamo keeps
+# one cache entry per trace; these limits allow that many engines (tests, benchmarks).
+_ENGINES_PER_PROCESS = 64
+
 # Dynamo specializes a dynamic dim on sizes 0 and 1, so one-token batches are padded to two
 # rows; the padding row attends to nothing, writes nothing, and is dropped.
 _MIN_TOKENS = 2
@@ -28,6 +32,9 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, backend: VgraphBackend) -> None:
         self.model = model
         self.backend = backend
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, _ENGINES_PER_PROCESS)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _ENGINES_PER_PROCESS)
         self._compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
         self.traced = False
 
