@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
@@ -126,6 +127,12 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == tok.encode(expected, add_special_tokens=False)
 
 
-def test_fp8_quantization_is_a_clear_out_of_scope_error():
-    with pytest.raises(ValueError, match="quantization"):
-        LLM(tiny_checkpoint(arch="llama"), device="cpu", num_gpu_blocks=8, quantization="fp8")
+def test_unknown_quantization_is_a_clear_error_and_fp8_generates():
+    with pytest.raises(ValueError, match="unsupported quantization 'int3'.*fp8"):
+        LLM(tiny_checkpoint(arch="llama"), device="cpu", num_gpu_blocks=8, quantization="int3")
+    fp8 = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=64,
+              quantization="fp8")
+    assert fp8.engine.runner.kv_caches[0][0].dtype == torch.float32  # activations', not e4m3
+    out = fp8.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and all(0 <= t < fp8.engine.vocab_size for t in out.token_ids)

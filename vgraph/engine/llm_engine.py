@@ -47,14 +47,12 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        if config.model.quantization is not None:
-            raise ValueError(f"quantization={config.model.quantization!r} is not available in this "
-                             "version of vgraph (fp8 models arrive with the compiler); omit it")
         self.device = config.resolved_device()
         path = resolve_model_path(config.model.model, config.model.revision)
         config.model.model = str(path)
         torch.manual_seed(config.model.seed)
-        self.model, self.hf_config, self.load_stats = load_model(config.model, self.device)
+        self.model, self.hf_config, self.load_stats = load_model(
+            config.model, self.device, use_custom_ops=config.compile.custom_ops)
         self.tokenizer = load_tokenizer(config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path))
         self.max_model_len = self._max_model_len()
@@ -74,8 +72,8 @@ class LLMEngine:
 
     def _build_runner(self) -> ModelRunner:
         m = self.model
-        spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.config.cache.block_size,
-                      next(m.parameters()).dtype)
+        # The activation dtype, not a parameter's: fp8 models hold e4m3 weights.
+        spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.config.cache.block_size, m.dtype)
         peak = 0
         if self.device.type == "cuda" and self.config.cache.num_gpu_blocks is None:
             peak = profile_peak_bytes(m, spec, self.config.scheduler, self.max_model_len, self.device)

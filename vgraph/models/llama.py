@@ -9,6 +9,12 @@ graph whose only opaque calls are the attention ops (the graph's split points). 
 flat token batch — ``forward(input_ids [T], positions [T])`` — and reads KV caches and
 attention metadata from the forward context, never from its arguments. Projections are fused
 (one q|k|v GEMM, one gate|up GEMM) and loaded from the checkpoint's separate weights.
+
+Two build switches: ``use_custom_ops=False`` writes RMSNorm, the fused add+RMSNorm and
+SiLU-and-mul in plain torch (the ops' own references, so both modes compute the same thing)
+for Inductor to generate the kernels — attention stays the ``unified_attention`` op either
+way, since it is where the graph splits; ``quant_config`` makes the linear layers fp8
+(see quantization.py).
 """
 from __future__ import annotations
 
@@ -20,7 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
+from vgraph.ops.activation import silu_and_mul_reference
+from vgraph.ops.kernels.common import FP8_DTYPE
+from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 
+from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, fp8_linear_from
 from .rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
 
@@ -98,6 +108,16 @@ def arch_spec(hf_config: Any) -> ArchSpec:
     )
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """How layers are built: where, in which activation dtype, with which kernels and weights."""
+
+    dtype: torch.dtype
+    device: Any
+    use_custom_ops: bool = True
+    quant: Optional[Fp8Config] = None
+
+
 def _empty(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
     # Uninitialized: every weight is overwritten by load_weights, and random init of a
     # multi-GB model would cost seconds for nothing.
@@ -133,6 +153,32 @@ class MergedLinear(Linear):
             self.shards[name] = (start, size)
             start += size
 
+    def shard_view(self, param_name: str, shard: str) -> Tensor:
+        """Where the loader copies ``shard``'s rows of ``param_name`` (weight or bias)."""
+        start, size = self.shards[shard]
+        return getattr(self, param_name).data.narrow(0, start, size)
+
+
+def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[tuple[str, int]],
+                bias: bool) -> nn.Module:
+    """A projection; ``out_features`` as [(shard, size), ...] makes it a fused one.
+
+    Layers of an fp8 checkpoint are fp8 from the start (their weights arrive as e4m3);
+    layers quantized at load are built in high precision and converted after loading,
+    because their weights arrive in high precision and need their amax first.
+    """
+    fp8 = opts.quant is not None and opts.quant.serialized
+    static = fp8 and opts.quant.static_activations
+    if isinstance(out_features, list):
+        if fp8:
+            return Fp8MergedLinear(in_features, out_features, bias, opts.dtype, opts.device,
+                                   static, opts.use_custom_ops)
+        return MergedLinear(in_features, out_features, bias, opts.dtype, opts.device)
+    if fp8:
+        return Fp8Linear(in_features, out_features, bias, opts.dtype, opts.device, static,
+                         opts.use_custom_ops)
+    return Linear(in_features, out_features, bias, opts.dtype, opts.device)
+
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: Any) -> None:
@@ -144,37 +190,44 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm via the vgraph ops; with a residual it adds first (the fused form)."""
+    """RMSNorm; with a residual it adds first (the fused form).
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: Any) -> None:
+    ``use_custom_ops`` picks the vgraph ops or the same math in plain torch.
+    """
+
+    def __init__(self, size: int, eps: float, opts: LayerOptions) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _empty(size, dtype=dtype, device=device)
+        self.use_custom_ops = opts.use_custom_ops
+        self.weight = _empty(size, dtype=opts.dtype, device=opts.device)
 
     def forward(self, x: Tensor,
                 residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
         if residual is None:
-            return torch.ops.vgraph.rms_norm(x, self.weight, self.eps)
-        return torch.ops.vgraph.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            if self.use_custom_ops:
+                return torch.ops.vgraph.rms_norm(x, self.weight, self.eps)
+            return rms_norm_reference(x, self.weight, self.eps)
+        if self.use_custom_ops:
+            return torch.ops.vgraph.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ArchSpec, layer_idx: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, spec: ArchSpec, layer_idx: int, opts: LayerOptions) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = MergedLinear(spec.hidden_size, [("q", self.q_size), ("k", self.kv_size),
-                                                        ("v", self.kv_size)],
-                                     spec.qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype, device)
+        self.qkv_proj = make_linear(opts, spec.hidden_size, [("q", self.q_size), ("k", self.kv_size),
+                                                             ("v", self.kv_size)], spec.qkv_bias)
+        self.o_proj = make_linear(opts, self.q_size, spec.hidden_size, spec.o_bias)
         self.q_norm: Optional[RMSNorm] = None
         self.k_norm: Optional[RMSNorm] = None
         if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor) -> Tensor:
         num_tokens = hidden.shape[0]
@@ -190,24 +243,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, spec: ArchSpec, opts: LayerOptions) -> None:
         super().__init__()
         size = spec.intermediate_size
-        self.gate_up_proj = MergedLinear(spec.hidden_size, [("gate", size), ("up", size)],
-                                         spec.mlp_bias, dtype, device)
-        self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, device)
+        self.use_custom_ops = opts.use_custom_ops
+        self.gate_up_proj = make_linear(opts, spec.hidden_size, [("gate", size), ("up", size)],
+                                        spec.mlp_bias)
+        self.down_proj = make_linear(opts, size, spec.hidden_size, spec.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(torch.ops.vgraph.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.use_custom_ops:
+            return self.down_proj(torch.ops.vgraph.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul_reference(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, layer_idx: int, dtype: torch.dtype, device: Any) -> None:
+    def __init__(self, spec: ArchSpec, layer_idx: int, opts: LayerOptions) -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx, dtype, device)
-        self.mlp = MLP(spec, dtype, device)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(spec, layer_idx, opts)
+        self.mlp = MLP(spec, opts)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor,
                 residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -223,14 +280,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 device: Any) -> None:
+    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, opts: LayerOptions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, opts.dtype, opts.device)
         self.rotary_emb = rotary
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, device)
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, opts) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
@@ -257,11 +312,14 @@ class LlamaForCausalLM(nn.Module):
     ``hf_config`` is the transformers config of the checkpoint; parameters are created
     uninitialized in ``dtype`` on ``device`` and filled by :meth:`load_weights`.
     ``max_model_len`` (default: the config's max_position_embeddings) bounds the RoPE table
-    and decides whether a sliding window is a problem.
+    and decides whether a sliding window is a problem. ``use_custom_ops`` picks vgraph's ops
+    or plain torch for norms and activations; ``quant_config`` makes the decoder's linear
+    layers fp8. ``dtype`` stays the activation dtype (and the KV cache's) either way.
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
-                 max_model_len: Optional[int] = None) -> None:
+                 max_model_len: Optional[int] = None, use_custom_ops: bool = True,
+                 quant_config: Optional[Fp8Config] = None) -> None:
         super().__init__()
         check_supported(hf_config, max_model_len)
         spec = arch_spec(hf_config)
@@ -271,9 +329,14 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         self.softmax_scale = spec.head_dim ** -0.5
         self.dtype = dtype
+        self.use_custom_ops = use_custom_ops
+        self.quant_config = quant_config
+        self._static_fp8 = quant_config is not None and quant_config.static_activations
         max_position = max(hf_config.max_position_embeddings, max_model_len or 0)
         rotary = RotaryEmbedding(spec.head_dim, max_position, rope_parameters(hf_config), device)
-        self.model = LlamaModel(spec, rotary, dtype, device)
+        opts = LayerOptions(dtype, device, use_custom_ops, quant_config)
+        self.model = LlamaModel(spec, rotary, opts)
+        # Never quantized: the output distribution is most sensitive to its precision.
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -291,7 +354,8 @@ class LlamaForCausalLM(nn.Module):
         """Copies HF-named checkpoint tensors into the (fused) parameters.
 
         Raises ValueError naming every unexpected checkpoint weight, every parameter (or
-        fused shard) the checkpoint did not provide, and any shape mismatch.
+        fused shard) the checkpoint did not provide, and any shape mismatch. Afterwards fp8
+        layers settle their scales, or high-precision layers are quantized (fp8 at load).
         """
         params = dict(self.named_parameters())
         loaded: set[Target] = set()
@@ -309,6 +373,26 @@ class LlamaForCausalLM(nn.Module):
         if unexpected or missing:
             raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected "
                              f"weights {sorted(unexpected)}; missing weights {missing}")
+        self._process_after_loading()
+
+    def _process_after_loading(self) -> None:
+        if self.quant_config is not None and not self.quant_config.serialized:
+            self._quantize_linears()
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
+                module.finalize()
+
+    def _quantize_linears(self) -> None:
+        """Swaps every decoder projection for its fp8 form (the lm_head stays as it is).
+
+        Done after loading, with the whole model briefly in high precision, because a
+        per-tensor scale needs the whole (fused) weight's amax.
+        """
+        for name, module in list(self.named_modules()):
+            if isinstance(module, Linear) and name != "lm_head":
+                parent, _, child = name.rpartition(".")
+                setattr(self.get_submodule(parent), child,
+                        fp8_linear_from(module, self.use_custom_ops))
 
     def _map_name(self, hf_name: str) -> Optional[Target]:
         """Our target for an HF weight name; None for weights deliberately skipped."""
@@ -316,6 +400,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return None  # tied: the embedding is the output projection
+        if hf_name.endswith(".input_scale") and not self._static_fp8:
+            return None  # calibration a dynamic-activation fp8 checkpoint may carry unused
         parts = hf_name.split(".")
         for i, part in enumerate(parts):
             if part in _STACKED:
@@ -327,8 +413,9 @@ class LlamaForCausalLM(nn.Module):
         """What a copy fills: one shard, or every shard of a fused parameter loaded whole."""
         name, shard = target
         module = self.get_submodule(name.rpartition(".")[0])
-        if shard is None and isinstance(module, MergedLinear):
-            return [(name, s) for s in module.shards]
+        shards = getattr(module, "shards", None)  # MergedLinear / Fp8MergedLinear
+        if shard is None and shards:
+            return [(name, s) for s in shards]
         return [target]
 
     def _expected_targets(self) -> set[Target]:
@@ -338,12 +425,21 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     def _copy_into(self, param: Tensor, target: Target, tensor: Tensor, hf_name: str) -> None:
+        """Copies one checkpoint tensor into its parameter (or its shard's part of it).
+
+        A one-element tensor fills a one-element slot whatever its shape (checkpoints store
+        fp8 scales as scalars or as [1]); fp8 data must land in fp8 and nothing else there,
+        since a cast would silently drop the scale.
+        """
+        name, shard = target
         dest = param.data
-        if target[1] is not None:
-            module = self.get_submodule(target[0].rpartition(".")[0])
-            start, size = module.shards[target[1]]
-            dest = dest.narrow(0, start, size)
-        if dest.shape != tensor.shape:
+        if shard is not None:
+            module_name, _, param_name = name.rpartition(".")
+            dest = self.get_submodule(module_name).shard_view(param_name, shard)
+        if dest.shape != tensor.shape and not dest.numel() == tensor.numel() == 1:
             raise ValueError(f"weight {hf_name} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(dest.shape)} for {target[0]}")
-        dest.copy_(tensor)
+                             f"{tuple(dest.shape)} for {name}")
+        if (dest.dtype == FP8_DTYPE) != (tensor.dtype == FP8_DTYPE):
+            raise ValueError(f"weight {hf_name} is {tensor.dtype} but {name} holds {dest.dtype}: "
+                             "fp8 weights need their scales (and only fp8 layers have them)")
+        dest.copy_(tensor.reshape(dest.shape))

@@ -21,6 +21,7 @@ from torch import nn
 
 from vgraph.config import ModelConfig, resolve_dtype
 
+from .quantization import Fp8Config, resolve_quantization
 from .registry import get_model_class
 
 logger = logging.getLogger("vgraph")
@@ -134,25 +135,41 @@ def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
     return value if isinstance(value, torch.dtype) else None
 
 
-def load_model(model_config: ModelConfig,
-               device: torch.device | str) -> tuple[nn.Module, Any, LoadStats]:
-    """Builds the model for ``model_config.model`` on ``device`` and loads its weights."""
+def load_model(model_config: ModelConfig, device: torch.device | str,
+               use_custom_ops: bool = True) -> tuple[nn.Module, Any, LoadStats]:
+    """Builds the model for ``model_config.model`` on ``device`` and loads its weights.
+
+    ``use_custom_ops=False`` builds norms and activations in plain torch (for Inductor to
+    generate). Quantization follows ``model_config.quantization`` unless the checkpoint is
+    itself fp8, which then decides (see quantization.resolve_quantization); an unsupported
+    value raises ValueError before anything is built.
+    """
     start = time.perf_counter()
     path = resolve_model_path(model_config.model, model_config.revision)
     hf_config = load_hf_config(path)
     model_cls = get_model_class(hf_config.architectures)
+    quant = resolve_quantization(model_config.quantization, hf_config)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
-    model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len)
+    model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len,
+                      use_custom_ops=use_custom_ops, quant_config=quant)
     model.load_weights(iterate_weights(path))
     model.eval()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     stats = LoadStats(weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                       load_seconds=time.perf_counter() - start)
-    logger.info("Loaded model %s (%s, %s): %s of weights in %.2f s", model_config.model,
-                hf_config.architectures[0], str(dtype).removeprefix("torch."),
+    logger.info("Loaded model %s (%s, %s%s): %s of weights in %.2f s", model_config.model,
+                hf_config.architectures[0], str(dtype).removeprefix("torch."), _describe(quant),
                 format_bytes(stats.weights_bytes), stats.load_seconds)
     return model, hf_config, stats
+
+
+def _describe(quant: Optional[Fp8Config]) -> str:
+    if quant is None:
+        return ""
+    activations = "static" if quant.static_activations else "dynamic per-token"
+    source = "checkpoint" if quant.serialized else "quantized at load"
+    return f", fp8 weights ({source}), {activations} activation scales"
 
 
 def load_tokenizer(path: str, revision: Optional[str] = None) -> Any:

@@ -1,0 +1,104 @@
+"""The ops switch: norms, activations and fp8 quantization as vgraph ops or as plain torch.
+
+Both modes compute the same math (plain-torch mode calls the ops' own references), so on CPU
+their logits must be identical, and both must match transformers. What the switch changes is
+the captured graph: with it off, no norm / activation / quant op is left for Inductor to treat
+as opaque — only attention (the split point) and the fp8 GEMM remain as vgraph ops.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import transformers
+
+from tests.checkpoints import TINY_ARCHS, tiny_checkpoint
+from tests.models.test_fp8 import static_checkpoint
+from tests.models.test_models import PagedSequence
+from vgraph.config import ModelConfig
+from vgraph.models.llama import LlamaForCausalLM
+from vgraph.models.loader import load_model
+
+ELEMENTWISE_OPS = {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "static_scaled_fp8_quant",
+                   "dynamic_per_token_scaled_fp8_quant"}
+
+
+@functools.lru_cache(maxsize=None)
+def _model(path: str, custom_ops: bool, quantization: str | None = None) -> LlamaForCausalLM:
+    model, _, _ = load_model(ModelConfig(path, dtype="float32", quantization=quantization), "cpu",
+                             use_custom_ops=custom_ops)
+    return model
+
+
+def _prompt(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(6, 512, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill_then_decode(model: LlamaForCausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    seq = PagedSequence(model)
+    return seq.step(ids[:-1]), seq.step(ids[-1:])
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_both_modes_give_identical_logits_and_match_transformers(arch: str) -> None:
+    path = tiny_checkpoint(arch=arch)
+    ids = _prompt(30, seed=5)
+    with_ops = _prefill_then_decode(_model(path, True), ids)
+    plain = _prefill_then_decode(_model(path, False), ids)
+    for a, b in zip(with_ops, plain):
+        assert torch.equal(a, b)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(ids[None]).logits[0, -1]
+    torch.testing.assert_close(plain[1], expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_both_modes_give_identical_logits_for_fp8(scheme: str) -> None:
+    path = tiny_checkpoint(arch="qwen2") if scheme == "dynamic" else static_checkpoint()
+    ids = _prompt(30, seed=6)
+    with_ops = _prefill_then_decode(_model(path, True, "fp8"), ids)
+    plain = _prefill_then_decode(_model(path, False, "fp8"), ids)
+    for a, b in zip(with_ops, plain):
+        assert torch.equal(a, b)
+
+
+def _captured_vgraph_ops(model: LlamaForCausalLM) -> tuple[set[str], torch.Tensor]:
+    """The vgraph ops in Dynamo's graph of ``model.forward``, and the logits it computed."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    seq = PagedSequence(model)
+    seq.model = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+    logits = seq.step(_prompt(12, seed=7))
+    ops = {_vgraph_op_name(node.target) for gm in graphs for node in gm.graph.nodes
+           if node.op == "call_function"}
+    return ops - {None}, logits
+
+
+def _vgraph_op_name(target: object) -> str | None:
+    """"rms_norm" for torch.ops.vgraph.rms_norm (packet or overload); None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        namespace, _, name = target._qualified_op_name.partition("::")
+        return name if namespace == "vgraph" else None
+    return None
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_plain_mode_leaves_only_attention_and_the_gemm_as_ops(quantization: str | None) -> None:
+    path = tiny_checkpoint(arch="qwen3")  # q/k norms too
+    ops_on, logits_on = _captured_vgraph_ops(_model(path, True, quantization))
+    ops_off, logits_off = _captured_vgraph_ops(_model(path, False, quantization))
+    gemm = {"fp8_gemm"} if quantization else set()
+    assert ops_off == {"unified_attention"} | gemm
+    expected_on = {"unified_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"} | gemm
+    if quantization:
+        expected_on.add("dynamic_per_token_scaled_fp8_quant")
+    assert ops_on == expected_on
+    assert torch.equal(logits_on, logits_off)
