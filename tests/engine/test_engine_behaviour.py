@@ -12,7 +12,7 @@ from vgraph.engine.llm_engine import LLMEngine
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=128,
-               max_model_len=256, max_logprobs=5)
+               max_model_len=256, max_logprobs=5, enforce_eager=True)
 
 
 def _all_free(llm: LLM) -> bool:

@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..compiler.counters import CompileCounters
+from ..compiler.setup import build_compiled_forward, log_compile_summary
 from ..config import EngineConfig
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
@@ -57,6 +59,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(load_generation_config(path))
         self.max_model_len = self._max_model_len()
         self.vocab_size = self.model.vocab_size
+        self.compile_counters: Optional[CompileCounters] = None
         self.runner = self._build_runner()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len)
         self._groups: dict[str, _Group] = {}
@@ -84,7 +87,19 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, spec.block_size, tokens,
                     num_blocks * spec.bytes_per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
-        return ModelRunner(m, spec, num_blocks, self.device, m.vocab_size)
+        runner = ModelRunner(m, spec, num_blocks, self.device, m.vocab_size)
+        if self.config.compile.level == "compiled":
+            self._compile(runner)
+        return runner
+
+    def _compile(self, runner: ModelRunner) -> None:
+        """Captures and compiles the forward now (or loads it from the compile cache)."""
+        start = time.perf_counter()
+        compiled, self.compile_counters, self.compile_cache = build_compiled_forward(
+            self.model, self.config, self.hf_config, self.device)
+        runner.forward_fn = compiled
+        runner.warm_up(min(16, self.config.scheduler.max_num_batched_tokens))
+        log_compile_summary(self.compile_counters, self.compile_cache, time.perf_counter() - start)
 
     # ------------------------------------------------------------------ requests
 
