@@ -1,0 +1,44 @@
+"""On a static-fp8 Llama the passes fuse every site: 2L RMSNorm+quant and L SiLU+mul+quant."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+
+from vgraph import LLM, SamplingParams
+from vgraph.models.demo import build_tiny_fp8_static_checkpoint
+
+LAYERS = 3  # the two middle pieces are identical graphs: counts must still be per site
+
+
+@functools.lru_cache(maxsize=1)
+def _checkpoint() -> str:
+    return build_tiny_fp8_static_checkpoint(tempfile.mkdtemp(prefix="vgraph-fp8-"), seed=0,
+                                            num_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def fused_llm() -> LLM:
+    return LLM(_checkpoint(), dtype="float32", device="cpu", num_gpu_blocks=64)
+
+
+def test_pass_matches_are_exactly_2L_and_L(fused_llm):
+    counters = fused_llm.engine.compile_counters
+    assert counters.pass_matches == {"RMSNormQuantFusionPass": 2 * LAYERS, "SiluMulFusionPass": LAYERS}
+    assert counters.pieces == 2 * LAYERS + 1
+
+
+def test_fused_model_generates_the_eager_tokens(fused_llm):
+    eager = LLM(_checkpoint(), dtype="float32", device="cpu", num_gpu_blocks=64, enforce_eager=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 33, 81, 120, 7, 9], list(range(10, 50))]
+    fused = [o.outputs[0].token_ids for o in fused_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in eager.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert fused == plain
+
+
+def test_warm_start_reports_the_same_matches(fused_llm):
+    again = LLM(_checkpoint(), dtype="float32", device="cpu", num_gpu_blocks=64)
+    assert again.engine.compile_counters.inductor_compilations == 0
+    assert again.engine.compile_counters.pass_matches == fused_llm.engine.compile_counters.pass_matches
