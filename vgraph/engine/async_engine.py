@@ -1,0 +1,453 @@
+"""``AsyncEngine``: an ``LLMEngine`` driven from asyncio, for the HTTP server.
+
+Why a dedicated thread: ``LLMEngine.step()`` is blocking work (a scheduler pass plus a model
+forward). Run on the event loop it would freeze every connection for the length of a step;
+run in a thread it overlaps with HTTP handling, because torch releases the GIL inside its
+kernels. The engine is built *and* stepped on that one thread, and every other thread talks to
+it only through a command queue (add, abort, stop), so the engine itself needs no locks and
+thread-local torch state (inference mode, compiled-graph guards) stays on one thread.
+
+Outputs travel back with one ``loop.call_soon_threadsafe`` per step. Each caller holds an
+``OutputCollector`` that keeps only the *latest* cumulative ``RequestOutput`` per request:
+``RequestOutput`` carries the whole text, token ids and logprobs so far, so a slow consumer
+skips intermediate snapshots instead of queueing them, and memory per request stays bounded.
+
+The thread also measures what the metrics need (time to first token, inter-token latency,
+queue time, end-to-end latency, token counts) from timestamps taken where the work happens,
+and reports them per step through ``on_step``.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
+
+from ..sampling_params import SamplingParams
+from .inputs import PromptType
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+logger = logging.getLogger("vgraph")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; no request can be served any more."""
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading (or compiling) the model."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_queue_len`` allows; the caller should retry later."""
+
+
+@dataclass
+class RequestProgress:
+    """What one request did in one step, for metrics. Times are in seconds."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_new_tokens: int = 0  # over all of the request's sequences
+    time_to_first_token: Optional[float] = None  # set in the step that produced the first token
+    inter_token_latency: Optional[float] = None  # since the request's previous token
+    queue_time: Optional[float] = None  # submission to first scheduling, reported once
+    e2e_latency: Optional[float] = None  # submission to finish (not for aborts)
+    finish_reasons: list[str] = field(default_factory=list)  # one per sequence, when finished
+
+
+@dataclass
+class StepReport:
+    """Delivered on the event loop after each engine step (and after aborts)."""
+
+    progress: list[RequestProgress]
+    stats: dict[str, Any]
+
+
+@dataclass
+class _Track:
+    """Engine-thread bookkeeping for one request (never touched by the event loop)."""
+
+    submitted: float
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+    first_token: Optional[float] = None
+    last_token: Optional[float] = None
+    scheduled: bool = False
+    num_sequences: int = 1
+
+
+class OutputCollector:
+    """The latest output of each of a caller's requests, and a way to wait for new ones.
+
+    Lives on the event loop: the engine thread only reaches it through
+    ``call_soon_threadsafe``. One collector may hold several requests (a batch of prompts),
+    so a handler waits on one event for all of them.
+    """
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids = list(request_ids)
+        self._pending: dict[str, RequestOutput] = {}
+        self._unfinished = set(self.request_ids)
+        self._event = asyncio.Event()
+        self._error: Optional[BaseException] = None
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished and not self._pending
+
+    def _put(self, output: RequestOutput) -> None:
+        self._pending[output.request_id] = output
+        if output.finished:
+            self._unfinished.discard(output.request_id)
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    async def next(self) -> dict[str, RequestOutput]:
+        """Waits for news; returns the latest output of each request that advanced since."""
+        while not self._pending and self._error is None:
+            if not self._unfinished:
+                return {}
+            await self._event.wait()
+            self._event.clear()
+        if self._error is not None:
+            raise self._error
+        batch, self._pending = self._pending, {}
+        return batch
+
+
+@dataclass
+class _Add:
+    items: list[tuple[str, PromptType, SamplingParams]]
+    collector: OutputCollector
+    accepted: asyncio.Future
+    submitted: float
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Owns an ``LLMEngine`` on a background thread; requests in and outputs out via asyncio.
+
+    ``engine_factory`` builds the engine (loading, and compiling unless eager) on the engine
+    thread. ``max_queue_len`` bounds the requests waiting to be scheduled (``None``: no bound).
+    ``on_step`` receives a ``StepReport`` on the event loop; ``on_fatal`` is called once on the
+    event loop when the engine fails (at startup or later).
+    """
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queue_len: Optional[int] = None,
+                 on_step: Optional[Callable[[StepReport], None]] = None,
+                 on_fatal: Optional[Callable[[BaseException], None]] = None) -> None:
+        if max_queue_len is not None and max_queue_len < 1:
+            raise ValueError(f"max_queue_len must be at least 1, got {max_queue_len}")
+        self._factory = engine_factory
+        self.max_queue_len = max_queue_len
+        self.on_step = on_step
+        self.on_fatal = on_fatal
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._collectors: dict[str, OutputCollector] = {}
+        self._pending_adds = 0  # submitted requests the engine thread has not taken yet
+        self._ready = asyncio.Event()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stopped = threading.Event()
+        self.error: Optional[BaseException] = None  # why the engine died (at startup or later)
+        self.startup_error: Optional[BaseException] = None  # set when building the engine failed
+        self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
+                                      "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        # Set once ready: read-only facts about the engine, safe to use from the event loop.
+        self.tokenizer: Any = None  # a private copy: Rust tokenizers must not be shared across threads
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.model_path = ""
+        self.max_logprobs = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ lifecycle (event loop)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.error is None
+
+    def start(self) -> None:
+        """Starts the engine thread; ``wait_ready`` tells when the engine is built."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._thread_main, name="vgraph-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_ready(self) -> None:
+        """Returns once the engine can take requests; raises the startup error if it failed."""
+        await self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Aborts whatever is left and stops the thread (a step in flight finishes first)."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine thread did not stop within %.1f s", timeout)
+        for collector in set(self._collectors.values()):
+            collector._fail(EngineDeadError("the server is shutting down"))
+        self._collectors.clear()
+
+    # ------------------------------------------------------------------ requests (event loop)
+
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns():x}"
+
+    @property
+    def queue_length(self) -> int:
+        """Requests submitted but not yet running: the last waiting count plus unseen submissions."""
+        return int(self.stats.get("num_waiting", 0)) + self._pending_adds
+
+    async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
+        """Submits requests atomically: all are accepted, or none is and the error is raised.
+
+        Raises ``ValueError`` for bad input (from ``LLMEngine.add_request``), ``QueueFullError``,
+        ``EngineNotReadyError`` or ``EngineDeadError``. Cancelling the caller while it waits
+        aborts whatever was accepted.
+        """
+        self._check_accepting(len(items))
+        collector = OutputCollector([rid for rid, _, _ in items])
+        for rid in collector.request_ids:
+            if rid in self._collectors:
+                raise ValueError(f"request id {rid!r} is already in use")
+        accepted = asyncio.get_running_loop().create_future()
+        for rid in collector.request_ids:
+            self._collectors[rid] = collector
+        self._pending_adds += len(items)
+        self._commands.put(_Add(list(items), collector, accepted, time.monotonic()))
+        try:
+            await asyncio.shield(accepted)
+        except asyncio.CancelledError:
+            self.abort(collector.request_ids)
+            raise
+        except BaseException:
+            for rid in collector.request_ids:
+                self._collectors.pop(rid, None)
+            raise
+        return collector
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs of one request until it finishes; leaving early aborts it."""
+        collector = await self.add_requests([(request_id, prompt, params)])
+        try:
+            while not collector.finished:
+                for output in (await collector.next()).values():
+                    yield output
+        finally:
+            if not collector.finished:
+                self.abort([request_id])
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stops requests and frees their KV blocks; unknown or finished ids are ignored."""
+        ids = [rid for rid in request_ids if self._collectors.pop(rid, None) is not None]
+        if ids and self._thread is not None and self._thread.is_alive():
+            self._commands.put(_Abort(ids))
+
+    def _check_accepting(self, count: int) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.error}")
+        if self._stopped.is_set():
+            raise EngineDeadError("the engine is stopped")
+        if not self._ready.is_set():
+            raise EngineNotReadyError("the model is still loading")
+        if self.max_queue_len is not None and self.queue_length + count > self.max_queue_len:
+            raise QueueFullError(f"{self.queue_length} requests are already waiting "
+                                 f"(--max-queue-len {self.max_queue_len})")
+
+    # ------------------------------------------------------------------ callbacks (event loop)
+
+    def _on_ready(self, facts: dict[str, Any]) -> None:
+        for name, value in facts.items():
+            setattr(self, name, value)
+        self._ready.set()
+
+    def _on_startup_failed(self, error: BaseException) -> None:
+        self.error = self.startup_error = error
+        self._ready.set()
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _on_accepted(self, command: _Add, error: Optional[BaseException]) -> None:
+        self._pending_adds -= len(command.items)
+        if not command.accepted.done():
+            if error is None:
+                command.accepted.set_result(None)
+            else:
+                command.accepted.set_exception(error)
+
+    def _on_outputs(self, outputs: list[RequestOutput], report: Optional[StepReport]) -> None:
+        for output in outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector._put(output)
+                if output.finished:
+                    del self._collectors[output.request_id]
+        if report is not None:
+            self.stats = report.stats
+            if self.on_step is not None:
+                self.on_step(report)
+
+    def _on_fatal(self, error: BaseException) -> None:
+        self.error = error
+        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
+        for collector in set(self._collectors.values()):
+            collector._fail(dead)
+        self._collectors.clear()
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _thread_main(self) -> None:
+        try:
+            engine = self._factory()
+            facts = {"tokenizer": copy.deepcopy(engine.tokenizer), "max_model_len": engine.max_model_len,
+                     "vocab_size": engine.vocab_size, "model_path": engine.config.model.model,
+                     "max_logprobs": engine.config.max_logprobs, "eos_token_ids": engine.eos_token_ids,
+                     "stats": engine.stats()}
+        except BaseException as exc:  # reported to the caller, who decides how to exit
+            self._stopped.set()
+            self._post(self._on_startup_failed, exc)
+            return
+        self._post(self._on_ready, facts)
+        tracks: dict[str, _Track] = {}
+        try:
+            self._serve(engine, tracks)
+        except BaseException as exc:
+            logger.exception("engine step failed; the engine is dead")
+            self._stopped.set()
+            self._post(self._on_fatal, exc)
+            return
+        self._stopped.set()
+
+    def _serve(self, engine: LLMEngine, tracks: dict[str, _Track]) -> None:
+        """The step loop: take commands (blocking only when idle), step, report."""
+        while True:
+            idle = not engine.has_unfinished_requests()
+            commands = [self._commands.get()] if idle else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            aborted: list[RequestProgress] = []
+            for command in commands:
+                if isinstance(command, _Stop):
+                    engine.abort_request(list(tracks))
+                    return
+                if isinstance(command, _Add):
+                    self._add(engine, command, tracks)
+                elif isinstance(command, _Abort):
+                    aborted.extend(self._abort(engine, command.request_ids, tracks))
+            if commands:
+                self._post(self._on_outputs, [], StepReport(aborted, engine.stats()))
+            if engine.has_unfinished_requests():
+                step_start = time.monotonic()
+                outputs = engine.step()
+                progress = self._measure(engine, outputs, tracks, step_start)
+                self._post(self._on_outputs, outputs, StepReport(progress, engine.stats()))
+
+    def _add(self, engine: LLMEngine, command: _Add, tracks: dict[str, _Track]) -> None:
+        added: list[str] = []
+        try:
+            for rid, prompt, params in command.items:
+                engine.add_request(rid, prompt, params)
+                added.append(rid)
+                tracks[rid] = _Track(command.submitted, num_sequences=params.n)
+        except BaseException as exc:  # bad input (ValueError) or an unexpected failure: undo all
+            engine.abort_request(added)
+            for rid in added:
+                tracks.pop(rid, None)
+            if len(command.items) > 1 and isinstance(exc, ValueError):
+                index = next(i for i, item in enumerate(command.items) if item[0] not in added)
+                exc = ValueError(f"prompt {index}: {exc}")
+            elif not isinstance(exc, ValueError):
+                logger.exception("adding a request failed")
+            self._post(self._on_accepted, command, exc)
+            return
+        self._post(self._on_accepted, command, None)
+
+    @staticmethod
+    def _abort(engine: LLMEngine, request_ids: list[str], tracks: dict[str, _Track]) -> list[RequestProgress]:
+        known = [rid for rid in request_ids if rid in tracks]
+        engine.abort_request(known)
+        progress = []
+        for rid in known:
+            track = tracks.pop(rid)
+            progress.append(RequestProgress(rid, track.num_prompt_tokens,
+                                            finish_reasons=["abort"] * track.num_sequences))
+        return progress
+
+    @staticmethod
+    def _measure(engine: LLMEngine, outputs: list[RequestOutput], tracks: dict[str, _Track],
+                 step_start: float) -> list[RequestProgress]:
+        """Per-request timings and token counts for this step (engine thread)."""
+        now = time.monotonic()
+        unscheduled = {rid for rid, t in tracks.items() if not t.scheduled}
+        progress: dict[str, RequestProgress] = {}
+        if unscheduled:
+            # Sequence ids are the request id, or "<request id>#<i>" for n > 1.
+            for request in engine.scheduler.running:
+                rid = request.request_id if request.request_id in tracks else request.request_id.rsplit("#", 1)[0]
+                track = tracks.get(rid)
+                if track is not None and not track.scheduled and request.first_scheduled_time is not None:
+                    track.scheduled = True
+                    progress[rid] = RequestProgress(rid, track.num_prompt_tokens,
+                                                    queue_time=max(0.0, request.first_scheduled_time - track.submitted))
+        for output in outputs:
+            track = tracks.get(output.request_id)
+            if track is None:
+                continue
+            p = progress.get(output.request_id) or RequestProgress(output.request_id, len(output.prompt_token_ids))
+            p.num_prompt_tokens = track.num_prompt_tokens = len(output.prompt_token_ids)
+            if not track.scheduled:  # admitted and finished within this one step
+                track.scheduled = True
+                p.queue_time = max(0.0, step_start - track.submitted)
+            total = sum(len(c.token_ids) for c in output.outputs)
+            p.num_new_tokens = total - track.num_tokens
+            if p.num_new_tokens > 0:
+                if track.first_token is None:
+                    track.first_token = now
+                    p.time_to_first_token = now - track.submitted
+                else:
+                    p.inter_token_latency = now - (track.last_token or now)
+                track.last_token = now
+            track.num_tokens = total
+            if output.finished:
+                p.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
+                p.e2e_latency = now - track.submitted
+                del tracks[output.request_id]
+            progress[output.request_id] = p
+        return list(progress.values())
