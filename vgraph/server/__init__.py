@@ -1,0 +1,12 @@
+"""vgraph's OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncEngine``.
+
+``app.build_app`` assembles the application; ``lifecycle.serve`` runs it as a process
+(``vgraph serve``). Modules: ``protocol`` (request bodies), ``routes_*`` (endpoints),
+``streaming`` (SSE and deltas), ``logprobs``, ``metrics`` (Prometheus), ``auth``
+(``--api-key``), ``errors`` (OpenAI's error shape), ``state`` (what routes share).
+"""
+from __future__ import annotations
+
+from .state import ServerSettings
+
+__all__ = ["ServerSettings"]

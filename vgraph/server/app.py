@@ -1,0 +1,70 @@
+"""The FastAPI application: routes, error shape, auth, and the engine's lifespan.
+
+The engine starts in the lifespan but is not awaited there: uvicorn binds the port only after
+the lifespan's startup finishes, and ``/health`` must be reachable (answering 503) while the
+model loads and compiles, which can take minutes. Requests that need the engine get 503 with
+``Retry-After`` until it is ready.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI
+
+from .. import __version__
+from ..engine.async_engine import AsyncEngine
+from ..engine.llm_engine import LLMEngine
+from . import routes_chat, routes_completions, routes_misc
+from .auth import APIKeyMiddleware
+from .errors import install_error_handlers
+from .metrics import ServerMetrics
+from .state import ServerSettings, ServerState
+
+logger = logging.getLogger("vgraph.server")
+
+
+def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *,
+              on_fatal: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
+    """An app serving the engine that ``engine_factory`` builds (on the engine thread).
+
+    ``on_fatal`` runs on the event loop when the engine fails to start or dies later; the
+    caller decides how the process ends (see ``lifecycle.serve``).
+    """
+    engine = AsyncEngine(engine_factory, max_queue_len=settings.max_queue_len, on_fatal=on_fatal)
+    metrics = ServerMetrics(settings.served_model_names[0], lambda: engine.stats)
+    engine.on_step = metrics.observe
+    state = ServerState(settings, engine, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        announce = asyncio.create_task(_announce_ready(state))
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            announce.cancel()
+            await engine.shutdown()
+
+    app = FastAPI(title="vgraph", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    install_error_handlers(app)
+    for module in (routes_completions, routes_chat, routes_misc):
+        app.include_router(module.router)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app
+
+
+async def _announce_ready(state: ServerState) -> None:
+    try:
+        await state.engine.wait_ready()
+    except Exception:
+        return  # on_fatal reports it
+    engine = state.engine
+    logger.info("ready: serving %s as %s (max_model_len %d)", engine.model_path,
+                ", ".join(state.settings.served_model_names), engine.max_model_len)

@@ -1,0 +1,105 @@
+"""Prometheus metrics, named after vLLM's with a ``vgraph:`` prefix.
+
+Two kinds of series, fed two ways:
+
+- the engine's state (requests running/waiting, KV cache usage, prefix-cache and preemption
+  counters) is read from the latest stats snapshot at scrape time by a custom collector, so
+  the numbers are never stale and cost nothing between scrapes;
+- per-request series (token counters, successes by finish reason, latency histograms) are
+  updated from each engine step's ``StepReport``.
+
+Each server gets its own ``CollectorRegistry``, so several apps in one process (tests) do not
+collide in the global registry.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.async_engine import StepReport
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+_REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class _EngineStateCollector(Collector):
+    """Gauges and engine-side counters from the newest stats snapshot."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels, values = ["model_name"], [self._model]
+        for name, doc, key in (
+                ("vgraph:num_requests_running", "Requests in the running batch.", "num_running"),
+                ("vgraph:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+                ("vgraph:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", "kv_usage")):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, float(s.get(key, 0)))
+            yield gauge
+        for name, doc, key in (
+                ("vgraph:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 "prefix_cache_queries"),
+                ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+                ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", "num_preemptions")):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric(values, float(s.get(key, 0)))
+            yield counter
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics`` and the hook that feeds it from engine steps."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStateCollector(stats, model_name))
+        self._model = model_name
+        common = {"labelnames": ["model_name"], "registry": self.registry}
+        self.prompt_tokens = Counter("vgraph:prompt_tokens", "Prompt tokens of requests that started.", **common)
+        self.generation_tokens = Counter("vgraph:generation_tokens", "Generated tokens.", **common)
+        self.request_success = Counter("vgraph:request_success", "Finished sequences by finish reason.",
+                                       labelnames=["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vgraph:time_to_first_token_seconds", "Submission to first token.",
+                              buckets=_TTFT_BUCKETS, **common)
+        self.itl = Histogram("vgraph:inter_token_latency_seconds", "Time between a request's tokens.",
+                             buckets=_ITL_BUCKETS, **common)
+        self.e2e = Histogram("vgraph:e2e_request_latency_seconds", "Submission to finish.",
+                             buckets=_REQUEST_BUCKETS, **common)
+        self.queue_time = Histogram("vgraph:request_queue_time_seconds", "Submission to first scheduling.",
+                                    buckets=_REQUEST_BUCKETS, **common)
+        for reason in ("stop", "length", "abort"):  # present from the start, at 0
+            self.request_success.labels(model_name, reason)
+        self._children = tuple(m.labels(model_name) for m in (
+            self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time))
+
+    def observe(self, report: StepReport) -> None:
+        """Folds one engine step into the series (runs on the event loop)."""
+        prompt_tokens, generation_tokens, ttft, itl, e2e, queue_time = self._children
+        for p in report.progress:
+            if p.num_new_tokens > 0:
+                generation_tokens.inc(p.num_new_tokens)
+            if p.time_to_first_token is not None:
+                prompt_tokens.inc(p.num_prompt_tokens)
+                ttft.observe(p.time_to_first_token)
+            if p.inter_token_latency is not None:
+                itl.observe(p.inter_token_latency)
+            if p.queue_time is not None:
+                queue_time.observe(p.queue_time)
+            if p.e2e_latency is not None:
+                e2e.observe(p.e2e_latency)
+            for reason in p.finish_reasons:
+                self.request_success.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

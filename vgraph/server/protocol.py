@@ -1,0 +1,254 @@
+"""Request bodies of the OpenAI-compatible API, and how they become ``SamplingParams``.
+
+Models are strict (``"5"`` is not an integer, ``true`` is not a number): a client that sends
+the wrong type gets a 400 naming the field rather than a silently coerced value. Unknown
+fields are ignored, as in vLLM, because OpenAI clients add fields (``user``, metadata) that
+change nothing here; fields that *would* change the result but are not supported
+(``logit_bias``, ``suffix``, ``tools``, a JSON ``response_format``, ``best_of`` > n) are
+rejected explicitly instead of being ignored.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..sampling_params import SamplingParams
+from .errors import APIError, bad_request
+
+MAX_N = 128  # choices per prompt, OpenAI's limit
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationFields(_Strict):
+    """Fields shared by completions and chat: OpenAI's sampling fields plus vLLM's extras."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+        if self.n > MAX_N:
+            raise bad_request(f"n must be at most {MAX_N}, got {self.n}", "n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        """Builds validated ``SamplingParams``; a bad value is a 400 naming its field."""
+        fields: dict[str, Any] = {
+            "n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
+            "include_stop_str_in_output": self.include_stop_str_in_output, "ignore_eos": self.ignore_eos,
+            "max_tokens": max_tokens, "min_tokens": self.min_tokens, "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens}
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                    "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                    "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+        fields.update({k: v for k, v in optional.items() if v is not None})
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise bad_request(str(exc), param_from_message(str(exc))) from None
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompt field as a list of prompts (a string or token ids each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise bad_request("prompt is empty", "prompt")
+        return prompts
+
+    def check(self) -> None:
+        self.check_common()
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+
+
+class ContentPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+
+    def as_template_input(self, index: int) -> dict[str, Any]:
+        """``{"role", "content"}`` with text parts joined; other part types are rejected."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{index}]: only text content parts are supported, "
+                                      f"got {part.type!r}", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    tools: Optional[list[Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def check(self) -> None:
+        self.check_common()
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only the text response_format is supported", "response_format")
+
+    @property
+    def max_new_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered by the chat template."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt and messages", "prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ----------------------------------------------------------------------------- body parsing
+
+
+def param_from_message(message: str) -> Optional[str]:
+    """SamplingParams messages start with the field name ("top_p must be ..."); return it."""
+    first = message.split(" ", 1)[0]
+    return first if first in SamplingParams.__dataclass_fields__ else None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, with the content type, size and syntax checked."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";", 1)[0].strip().lower() != "application/json":
+        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}",
+                          code="invalid_content_type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    try:
+        obj = json.loads(body, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}",
+                          code="invalid_json")
+    return obj
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
+
+
+def validate(model_cls: type[_Strict], obj: dict[str, Any]) -> Any:
+    """``model_cls`` from a JSON object; the first problem becomes a 400 naming its field."""
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        errors = exc.errors()
+        first = errors[0]
+        param = str(first["loc"][0]) if first["loc"] else None
+        if first["type"] == "missing":
+            message = f"'{param}' is required"
+        else:
+            where = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
+            message = f"invalid value for '{where}': {first['msg']}"
+        raise bad_request(message, param) from None
+
+
+def _is_union_tag(loc: Any) -> bool:
+    """Pydantic names union branches in error locations ('list[int]'); they mean nothing to users."""
+    return isinstance(loc, str) and ("[" in loc or loc in {"str", "int", "float", "bool"})

@@ -1,0 +1,110 @@
+"""``POST /v1/chat/completions``: messages through the chat template, n choices, streamed or not.
+
+The template is rendered here (``--chat-template`` or the tokenizer's) and the engine gets
+token ids, so what is generated from is exactly what ``/tokenize`` with the same messages
+shows. Streams open each choice with a ``{"role": "assistant"}`` delta, as OpenAI's do.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import EngineDeadError, OutputCollector
+from ..engine.outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import APIError
+from .logprobs import chat_logprobs
+from .protocol import ChatCompletionRequest, read_json_object, validate
+from .state import ServerState, usage
+from .streaming import DONE, DeltaTracker, SSEResponse, sse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = validate(ChatCompletionRequest, await read_json_object(request, state.settings.max_body_bytes))
+    body.check()
+    model = state.resolve_model(body.model)
+    state.require_ready()
+    text, ids = state.encode_chat(body.template_messages(), body.add_generation_prompt)
+    params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+    job = _Chat(state, body, model, params)
+    collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)])
+    if body.stream:
+        return SSEResponse(job.stream(collector))
+    finals = await state.wait_finished(request, collector)
+    return JSONResponse(job.response(finals[job.id]))
+
+
+class _Chat:
+    def __init__(self, state: ServerState, body: ChatCompletionRequest, model: str,
+                 params: SamplingParams) -> None:
+        self.state = state
+        self.body = body
+        self.model = model
+        self.params = params
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> Optional[dict[str, Any]]:
+        if self.params.logprobs is None:
+            return None
+        content = chat_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end], self.state.token_texts,
+                                self.body.top_logprobs or 0)
+        return {"content": content}
+
+    def response(self, output: RequestOutput) -> dict[str, Any]:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in output.outputs]
+        return {**self._envelope("chat.completion", choices), "usage": usage([output])}
+
+    async def stream(self, collector: OutputCollector) -> AsyncIterator[bytes]:
+        trackers: dict[int, DeltaTracker] = {}
+        latest: Optional[RequestOutput] = None
+        with_usage = self.body.include_usage
+        extra = {"usage": None} if with_usage else {}
+        try:
+            while not collector.finished:
+                for output in (await collector.next()).values():
+                    latest = output
+                    for c in output.outputs:
+                        if c.index not in trackers:
+                            trackers[c.index] = DeltaTracker(self.params)
+                            role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}
+                            yield sse({**self._envelope("chat.completion.chunk", [role]), **extra})
+                        chunk = self._chunk_choice(c, trackers[c.index])
+                        if chunk is not None:
+                            yield sse({**self._envelope("chat.completion.chunk", [chunk]), **extra})
+            if with_usage and latest is not None:
+                yield sse({**self._envelope("chat.completion.chunk", []), "usage": usage([latest])})
+        except EngineDeadError as exc:
+            yield APIError(500, str(exc), code="engine_error").sse_chunk()
+        finally:
+            if not collector.finished:
+                self.state.engine.abort([self.id])
+        yield DONE
+
+    def _chunk_choice(self, c: CompletionOutput, tracker: DeltaTracker) -> Optional[dict[str, Any]]:
+        if tracker.finished:
+            return None
+        finished = c.finish_reason is not None
+        text = tracker.text_delta(c.text, finished)
+        start, end = tracker.new_tokens(len(c.token_ids))
+        logprobs = self._logprobs(c, start, end) if end > start else None
+        if not (text or logprobs or finished):
+            return None
+        tracker.finished = finished
+        delta = {"content": text} if text else {}
+        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason if finished else None}

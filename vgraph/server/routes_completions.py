@@ -1,0 +1,122 @@
+"""``POST /v1/completions``: one or many prompts (text or token ids), n choices each, streamed or not.
+
+A batch of prompts becomes one engine request per prompt, submitted atomically (a bad prompt
+anywhere rejects the whole call with nothing left running). Choice ``index`` is
+``prompt_index * n + i``, as in OpenAI's API.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import EngineDeadError, OutputCollector
+from ..engine.outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import APIError
+from .logprobs import completion_logprobs
+from .protocol import CompletionRequest, read_json_object, validate
+from .state import ServerState, prompt_text, usage
+from .streaming import DONE, DeltaTracker, SSEResponse, sse
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = validate(CompletionRequest, await read_json_object(request, state.settings.max_body_bytes))
+    body.check()
+    model = state.resolve_model(body.model)
+    prompts = body.prompts()
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    job = _Completion(state, body, model, params, len(prompts))
+    collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, prompts)])
+    if body.stream:
+        return SSEResponse(job.stream(collector))
+    finals = await state.wait_finished(request, collector)
+    return JSONResponse(job.response([finals[rid] for rid in job.ids]))
+
+
+class _Completion:
+    """One completions call: builds its response, or its stream of chunks."""
+
+    def __init__(self, state: ServerState, body: CompletionRequest, model: str, params: SamplingParams,
+                 num_prompts: int) -> None:
+        self.state = state
+        self.body = body
+        self.model = model
+        self.params = params
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.ids = [f"{self.id}-{i}" for i in range(num_prompts)]
+        self.prompt_index = {rid: i for i, rid in enumerate(self.ids)}
+        self.created = int(time.time())
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+
+    def _index(self, prompt_index: int, choice: CompletionOutput) -> int:
+        return prompt_index * self.params.n + choice.index
+
+    def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for p, output in enumerate(outputs):
+            prefix = prompt_text(self.state, output) if self.body.echo else ""
+            for c in output.outputs:
+                logprobs = None
+                if self.params.logprobs is not None:
+                    logprobs, _ = completion_logprobs(c.token_ids, c.logprobs or [], self.state.token_texts,
+                                                      len(prefix))
+                choices.append({"index": self._index(p, c), "text": prefix + c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {**self._envelope(choices), "usage": usage(outputs)}
+
+    async def stream(self, collector: OutputCollector) -> AsyncIterator[bytes]:
+        trackers: dict[tuple[int, int], DeltaTracker] = {}
+        offsets: dict[tuple[int, int], int] = {}
+        latest: dict[str, RequestOutput] = {}
+        with_usage = self.body.include_usage
+        try:
+            while not collector.finished:
+                for rid, output in (await collector.next()).items():
+                    latest[rid] = output
+                    p = self.prompt_index[rid]
+                    for c in output.outputs:
+                        key = (p, c.index)
+                        if key not in trackers:
+                            prefix = prompt_text(self.state, output) if self.body.echo else ""
+                            trackers[key] = DeltaTracker(self.params, prefix)
+                            offsets[key] = len(prefix)
+                        chunk = self._chunk_choice(p, c, trackers[key], offsets, key)
+                        if chunk is not None:
+                            yield sse({**self._envelope([chunk]), **({"usage": None} if with_usage else {})})
+            if with_usage:
+                yield sse({**self._envelope([]), "usage": usage([latest[rid] for rid in self.ids])})
+        except EngineDeadError as exc:
+            yield APIError(500, str(exc), code="engine_error").sse_chunk()
+        finally:
+            if not collector.finished:
+                self.state.engine.abort(self.ids)
+        yield DONE
+
+    def _chunk_choice(self, p: int, c: CompletionOutput, tracker: DeltaTracker,
+                      offsets: dict[tuple[int, int], int], key: tuple[int, int]) -> Optional[dict[str, Any]]:
+        if tracker.finished:
+            return None
+        finished = c.finish_reason is not None
+        text = tracker.text_delta(c.text, finished)
+        logprobs = None
+        if self.params.logprobs is not None:
+            start, end = tracker.new_tokens(len(c.token_ids))
+            if end > start:
+                logprobs, offsets[key] = completion_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
+                                                             self.state.token_texts, offsets[key])
+        if not (text or logprobs or finished):
+            return None
+        tracker.finished = finished
+        return {"index": self._index(p, c), "text": text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason if finished else None}
