@@ -159,6 +159,68 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    """The server's own flags (named as in vLLM); the engine's come from ``_add_engine_args``."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve (same as --model; default: the demo model)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use in 'model' (default: the model as given, or demo-model-v1)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VGRAPH_API_KEY)")
+    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs a request may ask")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="requests waiting to be scheduled before new ones get 503 + Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def _chat_template(value: Optional[str]) -> Optional[str]:
+    """``--chat-template``: a path to a template file, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise UserError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """Serves the OpenAI-compatible API until SIGTERM (exit 0) or a fatal engine error (exit 1)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise UserError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
+                             ("--max-logprobs", args.max_logprobs, 0), ("--shutdown-timeout", args.shutdown_timeout, 0)):
+        if value < low:
+            raise UserError(f"{flag} must be at least {low}, got {value}")
+    if args.port > 65535:
+        raise UserError(f"--port must be at most 65535, got {args.port}")
+    from vgraph.models.demo import DEMO_MODEL_NAME
+    from vgraph.server.lifecycle import serve
+    from vgraph.server.state import ServerSettings
+    default_name = args.model if args.model else DEMO_MODEL_NAME
+    settings = ServerSettings(served_model_names=args.served_model_name or [default_name],
+                              api_key=args.api_key or os.environ.get("VGRAPH_API_KEY") or None,
+                              chat_template=_chat_template(args.chat_template), max_queue_len=args.max_queue_len)
+
+    def build_engine():
+        """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
+        engine = _llm_from_args(args).engine
+        engine.config.max_logprobs = args.max_logprobs  # read by add_request's validation
+        return engine
+
+    return serve(settings, build_engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+                 log_level=args.log_level, access_log=args.access_log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vgraph", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -178,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
     cache.add_argument("action", choices=["list", "clear"])
     cache.set_defaults(handler=_cmd_cache)
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)")
+    _add_serve_args(srv)
+    _add_engine_args(srv)
+    srv.set_defaults(handler=_cmd_serve)
     return parser
 
 
