@@ -10,6 +10,7 @@ rejected explicitly instead of being ignored.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
 from fastapi import Request
@@ -65,8 +66,13 @@ class _GenerationFields(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
-        """Builds validated ``SamplingParams``; a bad value is a 400 naming its field."""
+    def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], max_logprobs: int,
+                        field_names: Optional[dict[str, str]] = None) -> SamplingParams:
+        """Builds validated ``SamplingParams``; a bad value is a 400 naming its field.
+
+        ``field_names`` maps SamplingParams fields to this request's names where they differ
+        (chat's ``top_logprobs``, ``max_completion_tokens``), so ``param`` names what was sent.
+        """
         fields: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
             "include_stop_str_in_output": self.include_stop_str_in_output, "ignore_eos": self.ignore_eos,
@@ -77,9 +83,12 @@ class _GenerationFields(_Strict):
                     "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
+            params.validate(max_logprobs)
         except ValueError as exc:
-            raise bad_request(str(exc), param_from_message(str(exc))) from None
+            param = param_from_message(str(exc))
+            raise bad_request(str(exc), (field_names or {}).get(param or "", param)) from None
+        return params
 
 
 class CompletionRequest(_GenerationFields):
@@ -166,6 +175,14 @@ class ChatCompletionRequest(_GenerationFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     @property
+    def field_names(self) -> dict[str, str]:
+        """Which request field each SamplingParams field came from."""
+        names = {"logprobs": "top_logprobs" if self.top_logprobs is not None else "logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
+
+    @property
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -197,8 +214,8 @@ class DetokenizeRequest(_Strict):
 
 def param_from_message(message: str) -> Optional[str]:
     """SamplingParams messages start with the field name ("top_p must be ..."); return it."""
-    first = message.split(" ", 1)[0]
-    return first if first in SamplingParams.__dataclass_fields__ else None
+    match = re.match(r"[a-z_]+", message)
+    return match.group(0) if match and match.group(0) in SamplingParams.__dataclass_fields__ else None
 
 
 def _reject_constant(name: str) -> Any:
@@ -241,10 +258,10 @@ def validate(model_cls: type[_Strict], obj: dict[str, Any]) -> Any:
         errors = exc.errors()
         first = errors[0]
         param = str(first["loc"][0]) if first["loc"] else None
+        where = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
         if first["type"] == "missing":
-            message = f"'{param}' is required"
+            message = f"'{where}' is required"
         else:
-            where = ".".join(str(x) for x in first["loc"] if not _is_union_tag(x))
             message = f"invalid value for '{where}': {first['msg']}"
         raise bad_request(message, param) from None
 

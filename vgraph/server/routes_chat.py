@@ -33,7 +33,8 @@ async def create_chat_completion(request: Request) -> Response:
     model = state.resolve_model(body.model)
     state.require_ready()
     text, ids = state.encode_chat(body.template_messages(), body.add_generation_prompt)
-    params = body.sampling_params(body.max_new_tokens, body.num_logprobs)
+    params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
+                                  body.field_names)
     job = _Chat(state, body, model, params)
     collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)])
     if body.stream:

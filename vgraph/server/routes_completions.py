@@ -31,8 +31,9 @@ async def create_completion(request: Request) -> Response:
     body = validate(CompletionRequest, await read_json_object(request, state.settings.max_body_bytes))
     body.check()
     model = state.resolve_model(body.model)
+    state.require_ready()
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
     job = _Completion(state, body, model, params, len(prompts))
     collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, prompts)])
     if body.stream:

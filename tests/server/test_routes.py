@@ -1,0 +1,68 @@
+"""The small routes, and /metrics counting exactly the traffic that was sent."""
+from __future__ import annotations
+
+import httpx
+
+import vgraph
+
+SERIES = ["vgraph:num_requests_running", "vgraph:num_requests_waiting", "vgraph:kv_cache_usage_perc",
+          "vgraph:prefix_cache_queries_total", "vgraph:prefix_cache_hits_total", "vgraph:num_preemptions_total",
+          "vgraph:prompt_tokens_total", "vgraph:generation_tokens_total",
+          "vgraph:request_success_total{finished_reason=length}",
+          "vgraph:request_success_total{finished_reason=stop}",
+          "vgraph:request_success_total{finished_reason=abort}",
+          "vgraph:time_to_first_token_seconds_count", "vgraph:inter_token_latency_seconds_count",
+          "vgraph:e2e_request_latency_seconds_count", "vgraph:request_queue_time_seconds_count"]
+
+
+def test_models_list_and_retrieve(server, client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["demo-model-v1"] and models[0].owned_by == "vgraph"
+    assert models[0].model_extra["max_model_len"] == 512
+    assert client.models.retrieve(model).id == model
+
+
+def test_health_and_version(server):
+    health = httpx.get(server.url + "/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert httpx.get(server.url + "/version", timeout=10).json() == {"version": vgraph.__version__}
+    assert 503 not in server.health_statuses[-1:], "ready means 200"
+
+
+def test_tokenize_detokenize_round_trip(server):
+    text = "The library was quiet; only the turning of pages was heard."
+    tokenized = server.post("/tokenize", {"prompt": text}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 5 and tokenized["max_model_len"] == 512
+    assert server.post("/detokenize", {"tokens": tokenized["tokens"]}).json() == {"prompt": text}
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}],
+                                     "add_generation_prompt": False}).json()
+    decoded = server.post("/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    assert decoded == "<|user|>\nhi</s>\n"
+
+
+def test_metrics_count_what_was_sent(server, client, model):
+    before = server.wait_idle()
+    assert all(name in before for name in SERIES), sorted(set(SERIES) - set(before))
+    sent = [client.completions.create(model=model, prompt=f"Request number {i}", max_tokens=5 + i, temperature=0,
+                                      extra_body={"ignore_eos": True}) for i in range(3)]
+    sent.append(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, n=2, extra_body={"ignore_eos": True}))
+    streamed = list(client.completions.create(model=model, prompt="Streamed", max_tokens=6, stream=True,
+                                              stream_options={"include_usage": True},
+                                              extra_body={"ignore_eos": True}))
+    usages = [r.usage for r in sent] + [streamed[-1].usage]
+    after = server.wait_idle()
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    assert delta("vgraph:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("vgraph:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("vgraph:request_success_total{finished_reason=length}") == 3 + 2 + 1  # one per choice
+    assert delta("vgraph:request_success_total{finished_reason=abort}") == 0
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert delta(f"vgraph:{histogram}_count") == 5, histogram
+    # One inter-token gap per step after the first: (5+6+7 - 3) + (4 - 1) + (6 - 1).
+    assert delta("vgraph:inter_token_latency_seconds_count") == 15 + 3 + 5
+    assert delta("vgraph:prefix_cache_queries_total") > 0
+    assert after["vgraph:kv_cache_usage_perc"] == 0 and after["vgraph:num_requests_running"] == 0
