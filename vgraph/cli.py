@@ -72,6 +72,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="layers in plain torch, so Inductor generates the norm/activation kernels")
     p.add_argument("--no-fusion", dest="enable_fusion", action="store_false",
                    help="skip vgraph's fusion passes")
+    p.add_argument("--cudagraph-mode", default=None,
+                   choices=["none", "piecewise", "full", "full_and_piecewise"],
+                   help="CUDA graphs: FULL for decode batches, PIECEWISE for mixed ones "
+                        "(default: full_and_piecewise; --enforce-eager turns graphs off too)")
+    p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
+                   help="batch sizes / token counts to capture (default: 1 2 4 8 16 ... 256)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +109,8 @@ def _llm_from_args(args: argparse.Namespace):
     from vgraph.config import CompileConfig
     compile_config = CompileConfig(level="none" if args.enforce_eager else "compiled",
                                    compile_sizes=list(args.compile_sizes), custom_ops=args.custom_ops,
-                                   enable_fusion=args.enable_fusion)
+                                   enable_fusion=args.enable_fusion, cudagraph_mode=args.cudagraph_mode,
+                                   cudagraph_capture_sizes=args.cudagraph_capture_sizes)
     return LLM(_model_path(args), dtype=args.dtype, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

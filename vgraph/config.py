@@ -62,6 +62,14 @@ class CompileConfig:
     custom_ops: bool = True  # False: layers use plain torch and Inductor generates the kernels
     dump_graphs_dir: Optional[str] = None  # dump each graph before/after each pass here
     use_cache: bool = True  # the on-disk compile cache under $VGRAPH_CACHE_DIR
+    # CUDA graphs (see vgraph/worker/dispatch.py): "none" | "piecewise" | "full" |
+    # "full_and_piecewise"; None = "full_and_piecewise" when compiled. Without CUDA the same
+    # dispatcher pads batches to the buckets and runs the compiled forward there.
+    cudagraph_mode: Optional[str] = None
+    # Batch sizes / token counts captured; None = [1, 2, 4] + range(8, max_capture_size + 1, 8).
+    # Either way capped by max_num_seqs (decode) and max_num_batched_tokens.
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_capture_size: int = 256
 
     def __post_init__(self) -> None:
         if self.level not in ("none", "compiled"):
