@@ -11,12 +11,18 @@ after ``query_start_loc[-1]`` produce zeros.
 
 ``paged_attention_decode_split_kv`` computes the same thing for one query token per sequence,
 splitting each sequence's KV across several programs so long decodes fill the GPU.
+
+Implementations: the op's default is the readable per-sequence reference (also the test
+oracle); CUDA runs the Triton kernels; CPU registers the batched plain-torch kernel of
+``cpu_attention`` as a device kernel, the same way CUDA does, so the reference stays the
+op's definition and the fallback for any other device.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from . import cpu_attention
 from .kernels import attention as kernels
 from .kv_cache import check_kv_cache_pair
 
@@ -163,6 +169,18 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                           seq_lens, max_query_len, softmax_scale)
 
 
+@paged_attention.register_kernel("cpu")
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+      query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
+      softmax_scale: float) -> Tensor:
+    """Batched CPU kernel: a device kernel rather than the op's default, so the reference
+    keeps defining the op (and serving devices without a kernel) while CPU gets the fast path."""
+    _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                           max_query_len)
+    return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc,
+                                             seq_lens, max_query_len, softmax_scale)
+
+
 @torch.library.custom_op("vgraph::paged_attention_decode_split_kv", mutates_args=())
 def paged_attention_decode_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                     block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
@@ -185,3 +203,11 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens
     _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
     return kernels.paged_attention_decode_split_kv_triton(q, k_cache, v_cache, block_table,
                                                           seq_lens, softmax_scale, num_splits)
+
+
+@paged_attention_decode_split_kv.register_kernel("cpu")
+def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+      softmax_scale: float, num_splits: int) -> Tensor:
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+    return cpu_attention.paged_attention_decode_split_kv_cpu(q, k_cache, v_cache, block_table,
+                                                             seq_lens, softmax_scale, num_splits)
