@@ -1,8 +1,10 @@
 """vgraph's custom ops, registered under ``torch.ops.vgraph`` on import.
 
 Each op has a schema, a fake (meta) implementation for tracing, a CPU implementation in
-plain torch that is also the numerical reference, and a CUDA implementation that runs a
-Triton kernel. This package depends on torch and triton only, so fusion-pass research can
+plain torch, and a CUDA implementation that runs a Triton kernel. The plain-torch
+``*_reference`` functions define each op's numerics and are the test oracle; for most ops
+they are the CPU implementation itself, while paged attention has a batched CPU kernel
+(ops/cpu_attention.py) checked against its readable per-sequence reference. This package depends on torch and triton only, so fusion-pass research can
 use it on any model.
 """
 from __future__ import annotations
