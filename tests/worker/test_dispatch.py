@@ -1,0 +1,229 @@
+"""The dispatcher and the padding it implies, without a model: bucket choice per batch shape,
+capture sizes, and that padded attention inputs compute exactly what unpadded ones do."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vgraph.config import CacheConfig, CompileConfig, SchedulerConfig
+from vgraph.core.request import Request
+from vgraph.core.scheduler import Scheduler
+from vgraph.ops.forward_context import ForwardContext, set_forward_context
+from vgraph.sampling_params import SamplingParams
+from vgraph.worker.batch import DecodeBuffers, build_flat_batch, pad_tokens
+from vgraph.worker.dispatch import (BatchShape, Buckets, CudaGraphMode, Decision, Path, capture_sizes,
+                                    choose, default_capture_sizes, resolve_mode)
+
+DEFAULT = capture_sizes(CompileConfig(), max_num_seqs=256, max_num_batched_tokens=8192)
+BOTH = CudaGraphMode.FULL_AND_PIECEWISE
+BLOCK = 4
+
+
+def decode(n: int) -> BatchShape:
+    return BatchShape(n, n, True)
+
+
+def mixed(tokens: int, seqs: int) -> BatchShape:
+    return BatchShape(tokens, seqs, False)
+
+
+# ---------------------------------------------------------------------------- capture sizes
+
+
+def test_default_sizes_are_1_2_4_then_multiples_of_8_to_256():
+    sizes = default_capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and len(sizes) == 3 + 32
+    assert DEFAULT.full == DEFAULT.piecewise == tuple(sizes)
+
+
+def test_sizes_are_capped_by_the_token_budget_and_max_num_seqs():
+    b = capture_sizes(CompileConfig(), max_num_seqs=12, max_num_batched_tokens=48)
+    assert b.piecewise == (1, 2, 4, 8, 16, 24, 32, 40, 48)
+    assert b.full == (1, 2, 4, 8, 16), "decode buckets stop at the first that holds 12 sequences"
+    small = capture_sizes(CompileConfig(max_capture_size=16), max_num_seqs=256, max_num_batched_tokens=8192)
+    assert small.piecewise == (1, 2, 4, 8, 16)
+
+
+def test_sizes_can_be_overridden_and_are_validated():
+    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[8, 3, 3, 1, 600]), 256, 512)
+    assert b.piecewise == (1, 3, 8) and b.full == (1, 3, 8)
+    with pytest.raises(ValueError, match="positive"):
+        capture_sizes(CompileConfig(cudagraph_capture_sizes=[0, 4]), 256, 512)
+
+
+def test_mode_resolution():
+    assert resolve_mode(CompileConfig()) is BOTH
+    assert resolve_mode(CompileConfig(level="none")) is CudaGraphMode.NONE, "eager: no graphs"
+    assert resolve_mode(CompileConfig(cudagraph_mode="piecewise")) is CudaGraphMode.PIECEWISE
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        resolve_mode(CompileConfig(cudagraph_mode="sometimes"))
+
+
+# ---------------------------------------------------------------------------- decisions
+
+
+def test_decode_batch_of_5_runs_the_full_graph_of_8():
+    assert choose(decode(5), DEFAULT, BOTH) == Decision(Path.FULL, 8, 5)
+
+
+def test_mixed_batch_runs_piecewise_at_the_padded_token_count():
+    d = choose(mixed(37, 4), DEFAULT, BOTH)
+    assert d == Decision(Path.PIECEWISE, 40, 37) and d.padding == 3
+
+
+def test_above_the_largest_bucket_runs_without_graphs_unpadded():
+    assert choose(decode(300), DEFAULT, BOTH) == Decision(Path.NONE, 300, 300)
+    assert choose(mixed(257, 2), DEFAULT, BOTH) == Decision(Path.NONE, 257, 257)
+
+
+@pytest.mark.parametrize("mode, shape, expected", [
+    (CudaGraphMode.PIECEWISE, decode(5), Decision(Path.PIECEWISE, 8, 5)),
+    (CudaGraphMode.FULL, mixed(9, 2), Decision(Path.NONE, 9, 9)),
+    (CudaGraphMode.FULL, decode(9), Decision(Path.FULL, 16, 9)),
+    (CudaGraphMode.NONE, decode(5), Decision(Path.NONE, 5, 5)),
+    (BOTH, BatchShape(0, 0, False), Decision(Path.NONE, 0, 0)),
+])
+def test_each_mode_offers_only_its_paths(mode, shape, expected):
+    assert choose(shape, DEFAULT, mode) == expected
+
+
+def test_every_shape_the_scheduler_can_produce_has_a_path():
+    sched = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48)
+    b = capture_sizes(CompileConfig(), sched.max_num_seqs, sched.max_num_batched_tokens)
+    for n in range(1, sched.max_num_seqs + 1):
+        assert choose(decode(n), b, BOTH).path is Path.FULL
+    for tokens in range(1, sched.max_num_batched_tokens + 1):
+        d = choose(mixed(tokens, 1), b, BOTH)
+        assert d.path is Path.PIECEWISE and tokens <= d.bucket <= sched.max_num_batched_tokens
+
+
+# ---------------------------------------------------------------------------- from real batches
+
+
+def _scheduler(num_blocks: int = 64) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                     CacheConfig(block_size=BLOCK), num_blocks, max_model_len=64)
+
+
+def _add(s: Scheduler, rid: str, prompt_len: int) -> None:
+    s.add_request(Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=20, ignore_eos=True)))
+
+
+def _step(s: Scheduler):
+    sched = s.schedule()
+    s.update(sched, {x.request.request_id: 7 for x in sched.scheduled if x.produces_token})
+    return sched
+
+
+def test_shapes_from_scheduler_output_and_flat_batch_agree():
+    s = _scheduler()
+    for i, n in enumerate([5, 2, 9]):
+        _add(s, str(i), n)
+    prefill = s.schedule()
+    flat = build_flat_batch(prefill, BLOCK, torch.device("cpu"))
+    assert BatchShape.of_scheduled(prefill) == BatchShape.of_flat(flat) == mixed(16, 3)
+    assert choose(BatchShape.of_flat(flat), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
+    s.update(prefill, {x.request.request_id: 7 for x in prefill.scheduled})
+    step = s.schedule()
+    assert BatchShape.of_scheduled(step) == BatchShape.of_flat(build_flat_batch(step, BLOCK, torch.device("cpu"))) \
+        == decode(3)
+    assert choose(BatchShape.of_scheduled(step), DEFAULT, BOTH) == Decision(Path.FULL, 4, 3)
+
+
+# ---------------------------------------------------------------------------- padding layout
+
+
+def _decode_batch(s: Scheduler, lengths: list[int]):
+    """A pure-decode FlatBatch over real block tables (prompts of ``lengths`` tokens)."""
+    for i, n in enumerate(lengths):
+        _add(s, f"r{i}", n)
+    _step(s)
+    return build_flat_batch(s.schedule(), BLOCK, torch.device("cpu"))
+
+
+def test_pad_tokens_appends_rows_outside_every_sequence():
+    s = _scheduler()
+    for i, n in enumerate([5, 2]):
+        _add(s, str(i), n)
+    batch = build_flat_batch(s.schedule(), BLOCK, torch.device("cpu"))
+    padded = pad_tokens(batch, 10)
+    meta = padded.attn_metadata
+    assert padded.num_tokens == 10 and padded.input_ids[7:].tolist() == [0, 0, 0]
+    assert meta.slot_mapping[7:].tolist() == [-1, -1, -1] and meta.slot_mapping[:7].tolist() == \
+        batch.attn_metadata.slot_mapping.tolist()
+    assert meta.query_start_loc.tolist() == [0, 5, 7], "padding rows belong to no sequence"
+    assert torch.equal(padded.sample_indices, batch.sample_indices)
+    with pytest.raises(ValueError):
+        pad_tokens(batch, 3)
+
+
+def test_decode_buffers_hold_padding_sequences_and_never_move():
+    s = _scheduler()
+    batch = _decode_batch(s, [5, 9, 2])
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, max_seq_len=64, device=torch.device("cpu"))
+    ptrs = [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_table,
+                                   bufs.seq_lens, bufs.query_start_loc)]
+    view = bufs.fill(batch, 4)
+    meta = view.attn_metadata
+    assert view.input_ids.tolist() == [7, 7, 7, 0] and view.positions.tolist() == [5, 9, 2, 0]
+    assert meta.seq_lens.tolist() == [6, 10, 3, 0], "the padding sequence is empty"
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4], "one row per sequence, padding included"
+    assert meta.slot_mapping[:3].tolist() == batch.attn_metadata.slot_mapping.tolist()
+    assert meta.slot_mapping[3] == -1 and meta.max_query_len == 1
+    # a smaller batch in the same bucket: the rows it no longer uses become padding again
+    smaller = build_flat_batch(_subset(s.schedule(), 1), BLOCK, torch.device("cpu"))
+    again = bufs.fill(smaller, 4)
+    assert again is view, "the same views (the ones a graph was captured with) every time"
+    assert meta.seq_lens[1:].tolist() == [0, 0, 0] and meta.slot_mapping[1:].tolist() == [-1, -1, -1]
+    assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping,
+                                           bufs.block_table, bufs.seq_lens, bufs.query_start_loc)]
+
+
+def _subset(sched, n):
+    sched.scheduled = sched.scheduled[:n]
+    return sched
+
+
+def test_decode_buffers_reject_what_they_cannot_hold():
+    s = _scheduler()
+    batch = _decode_batch(s, [5, 9, 2])
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=2, max_seq_len=8, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="width"):
+        bufs.fill(batch, 4)
+    with pytest.raises(ValueError, match="fit"):
+        DecodeBuffers(8, 16, 64, torch.device("cpu")).fill(batch, 2)
+
+
+# ---------------------------------------------------------------------------- padded attention
+
+
+def _attention(q, k, v, meta, caches):
+    with set_forward_context(ForwardContext(meta, caches, 0.25)):
+        return torch.ops.vgraph.unified_attention(q, k, v, 0)
+
+
+def _caches(num_blocks=64, kv_heads=2, head_dim=16):
+    shape = (num_blocks, BLOCK, kv_heads, head_dim)
+    return [(torch.randn(shape), torch.randn(shape))]
+
+
+@pytest.mark.parametrize("path", ["full", "piecewise"])
+def test_padded_attention_equals_unpadded_and_writes_the_same_cache(path):
+    s = _scheduler()
+    batch = _decode_batch(s, [5, 9, 2])
+    n, bucket = batch.num_tokens, 8
+    q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    plain_caches = _caches()
+    padded_caches = [(kc.clone(), vc.clone()) for kc, vc in plain_caches]
+    expected = _attention(q, k, v, batch.attn_metadata, plain_caches)
+    if path == "full":
+        bufs = DecodeBuffers(max_seqs=16, max_blocks_per_seq=16, max_seq_len=64, device=torch.device("cpu"))
+        meta = bufs.fill(batch, bucket).attn_metadata
+    else:
+        meta = pad_tokens(batch, bucket).attn_metadata
+    pad = lambda t: torch.cat([t, torch.randn(bucket - n, *t.shape[1:])])  # noqa: E731
+    out = _attention(pad(q), pad(k), pad(v), meta, padded_caches)
+    torch.testing.assert_close(out[:n], expected, rtol=1e-6, atol=1e-6)
+    assert torch.count_nonzero(out[n:]) == 0, "padding rows produce zeros"
+    for (a, b), (c, d) in zip(plain_caches, padded_caches):
+        assert torch.equal(a, c) and torch.equal(b, d), "padding rows write nothing"

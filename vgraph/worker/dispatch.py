@@ -1,0 +1,154 @@
+"""The dispatcher: which path runs a batch, and at which padded size (bucket).
+
+Three paths, as in vLLM:
+
+- FULL: a pure-decode batch (every sequence one new token) of n rows runs in the smallest
+  FULL bucket B >= n, padded with B - n empty sequences. On CUDA that replays one captured
+  graph of the whole forward, attention included.
+- PIECEWISE: any other batch of T tokens runs in the smallest token bucket >= T, padded
+  with T' - T rows that belong to no sequence. On CUDA every compiled piece replays its graph
+  for T' and attention runs eagerly between the pieces.
+- NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded.
+
+Without CUDA the same decisions and the same padding run and each bucket is the compiled
+forward at the padded size, so this logic is tested on every machine.
+
+Capture sizes default to ``[1, 2, 4] + range(8, max_capture_size + 1, 8)``. The scheduler
+never schedules more than ``max_num_batched_tokens`` tokens or ``max_num_seqs`` sequences,
+so buckets above those could never be used: token buckets are capped by the budget, decode
+buckets at the first one that holds ``max_num_seqs`` sequences. Every shape the scheduler
+can produce therefore has a path (the NONE path takes any shape).
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..config import CompileConfig
+
+
+class CudaGraphMode(str, enum.Enum):
+    """The ``cudagraph_mode`` setting: which kinds of graphs exist."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CudaGraphMode.FULL, CudaGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
+
+
+class Path(str, enum.Enum):
+    """What one batch runs through."""
+
+    FULL = "full"
+    PIECEWISE = "piecewise"
+    NONE = "none"
+
+
+DEFAULT_MODE = CudaGraphMode.FULL_AND_PIECEWISE
+
+
+def resolve_mode(config: CompileConfig) -> CudaGraphMode:
+    """The effective mode: graphs need the compiled forward, so eager means none."""
+    if config.level == "none":
+        return CudaGraphMode.NONE
+    if config.cudagraph_mode is None:
+        return DEFAULT_MODE
+    try:
+        return CudaGraphMode(config.cudagraph_mode)
+    except ValueError:
+        choices = ", ".join(m.value for m in CudaGraphMode)
+        raise ValueError(f"unknown cudagraph_mode {config.cudagraph_mode!r}; choose one of {choices}") from None
+
+
+def default_capture_sizes(max_capture_size: int) -> list[int]:
+    """vLLM's default ladder: fine steps for small batches, then every multiple of 8."""
+    return [s for s in [1, 2, 4] + list(range(8, max_capture_size + 1, 8)) if s <= max_capture_size]
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Sorted bucket sizes: ``full`` in sequences (= tokens) of a decode batch, ``piecewise``
+    in tokens of any batch."""
+
+    full: tuple[int, ...]
+    piecewise: tuple[int, ...]
+
+    @staticmethod
+    def smallest_at_least(sizes: Sequence[int], n: int) -> Optional[int]:
+        i = bisect.bisect_left(sizes, n)
+        return sizes[i] if i < len(sizes) else None
+
+
+def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int) -> Buckets:
+    """The buckets for an engine: the configured (or default) sizes, capped by what the
+    scheduler can produce. Raises ValueError for non-positive sizes."""
+    wanted = config.cudagraph_capture_sizes
+    if wanted is None:
+        if config.max_capture_size < 1:
+            raise ValueError(f"max_capture_size must be >= 1, got {config.max_capture_size}")
+        wanted = default_capture_sizes(config.max_capture_size)
+    if any(not isinstance(s, int) or s < 1 for s in wanted):
+        raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {wanted}")
+    sizes = sorted({s for s in wanted if s <= max_num_batched_tokens})
+    # Decode batches hold at most max_num_seqs rows: keep the first bucket that fits them all.
+    first_full = Buckets.smallest_at_least(sizes, max_num_seqs)
+    full = [s for s in sizes if first_full is None or s <= first_full]
+    return Buckets(full=tuple(full), piecewise=tuple(sizes))
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What the dispatcher needs to know about a batch."""
+
+    num_tokens: int
+    num_seqs: int
+    uniform_decode: bool  # every sequence has exactly one new token
+
+    @classmethod
+    def of_flat(cls, batch) -> "BatchShape":
+        """From a ``FlatBatch`` (vgraph.worker.batch)."""
+        meta = batch.attn_metadata
+        n, s = batch.num_tokens, meta.num_seqs
+        return cls(n, s, n > 0 and n == s and meta.max_query_len == 1)
+
+    @classmethod
+    def of_scheduled(cls, sched) -> "BatchShape":
+        """From a ``SchedulerOutput``, before any tensor is built."""
+        lens = [s.num_new_tokens for s in sched.scheduled]
+        return cls(sum(lens), len(lens), bool(lens) and all(n == 1 for n in lens))
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: Path
+    bucket: int  # padded size: sequences (= tokens) for FULL, tokens otherwise
+    num_tokens: int  # before padding
+
+    @property
+    def padding(self) -> int:
+        return self.bucket - self.num_tokens
+
+
+def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision:
+    """FULL for a pure-decode batch that fits a decode bucket, else PIECEWISE when the token
+    count fits a token bucket, else NONE at the batch's own size."""
+    n = shape.num_tokens
+    if n > 0 and shape.uniform_decode and mode.has_full:
+        bucket = Buckets.smallest_at_least(buckets.full, n)
+        if bucket is not None:
+            return Decision(Path.FULL, bucket, n)
+    if n > 0 and mode.has_piecewise:
+        bucket = Buckets.smallest_at_least(buckets.piecewise, n)
+        if bucket is not None:
+            return Decision(Path.PIECEWISE, bucket, n)
+    return Decision(Path.NONE, n, n)
