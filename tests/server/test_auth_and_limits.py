@@ -1,0 +1,104 @@
+"""``--api-key``, ``--max-queue-len`` and ``--chat-template`` on their own server."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import EAGER_ARGS, ServerProcess
+
+KEY = "sk-test-0123456789"
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[bot]"
+V1_ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/demo-model-v1"), ("POST", "/v1/completions"),
+             ("POST", "/v1/chat/completions"), ("GET", "/v1/no-such-route")]
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(TEMPLATE)
+    args = [a for a in EAGER_ARGS]
+    args[args.index("--max-num-seqs") + 1] = "1"
+    proc = ServerProcess(*args, "--api-key", KEY, "--max-queue-len", "2", "--chat-template", str(template),
+                         "--served-model-name", "guarded", "alias")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.close()
+
+
+@pytest.mark.parametrize("method,path", V1_ROUTES)
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": f"Basic {KEY}"}], ids=["none", "wrong", "no-bearer", "basic"])
+def test_every_v1_route_needs_the_key(guarded, method, path, headers):
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = httpx.request(method, guarded.url + path, json=body if method == "POST" else None,
+                             headers=headers, timeout=30)
+    assert response.status_code == 401, response.text
+    error = response.json()["error"]
+    assert error["type"] == "authentication_error" and error["code"] == "invalid_api_key"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_the_right_key_works_and_open_routes_stay_open(guarded):
+    client = guarded.client(api_key=KEY)
+    assert [m.id for m in client.models.list().data] == ["guarded", "alias"]
+    out = client.completions.create(model="alias", prompt="hi", max_tokens=3)
+    assert out.model == "alias" and out.usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        guarded.client(api_key="wrong").completions.create(model="guarded", prompt="hi", max_tokens=2)
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(guarded.url + path, timeout=10).status_code == 200, path
+    assert guarded.post("/tokenize", {"prompt": "hi"}).status_code == 200
+
+
+def test_the_chat_template_flag_replaces_the_tokenizers(guarded):
+    messages = [{"role": "user", "content": "hello"}]
+    tokens = guarded.post("/tokenize", {"messages": messages}).json()["tokens"]
+    assert guarded.post("/detokenize", {"tokens": tokens}).json()["prompt"] == "[user] hello\n[bot]"
+    out = guarded.client(api_key=KEY).chat.completions.create(model="guarded", messages=messages, max_tokens=2)
+    assert out.usage.prompt_tokens == len(tokens)
+
+
+def test_a_full_queue_answers_503_with_retry_after(guarded):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "guarded", "prompt": "Long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    async def hold(client: httpx.AsyncClient, release: asyncio.Event) -> None:
+        async with client.stream("POST", guarded.url + "/v1/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            reader = asyncio.ensure_future(response.aread())
+            await release.wait()
+            reader.cancel()
+
+    async def until(running: int, waiting: int) -> None:
+        deadline = time.monotonic() + 60
+        while True:
+            m = await asyncio.to_thread(guarded.metrics)
+            if m["vgraph:num_requests_running"] == running and m["vgraph:num_requests_waiting"] == waiting:
+                return
+            assert time.monotonic() < deadline, m
+            await asyncio.sleep(0.05)
+
+    async def main() -> httpx.Response:
+        release = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60) as client:
+            holders = [asyncio.ensure_future(hold(client, release))]
+            await until(running=1, waiting=0)  # --max-num-seqs 1: the only seat is taken
+            holders += [asyncio.ensure_future(hold(client, release)) for _ in range(2)]
+            await until(running=1, waiting=2)  # --max-queue-len 2: the queue is full
+            refused = await client.post(guarded.url + "/v1/completions", headers=headers,
+                                        json={"model": "guarded", "prompt": "one more", "max_tokens": 2})
+            release.set()
+            await asyncio.gather(*holders, return_exceptions=True)
+        return refused
+
+    refused = asyncio.run(main())
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["code"] == "queue_full"
+    guarded.wait_idle()
+    out = guarded.client(api_key=KEY).completions.create(model="guarded", prompt="after", max_tokens=2)
+    assert out.usage.completion_tokens >= 1
