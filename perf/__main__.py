@@ -2,13 +2,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
 import torch
 
 from .timing import machine_info, write_results
 
-SUITES = ("ops", "offline")
+SUITES = ("ops", "offline", "startup", "compile")
+
+
+def contention_probe() -> dict:
+    """Milliseconds per small GEMM (16x512 @ 512x1536, a decode-step linear of the perf model)
+    at 1 thread and at torch's thread count. On a shared machine, another busy process makes
+    every OpenMP barrier wait for a descheduled thread: the multi-thread time then jumps by
+    10-40x while the 1-thread time stays put, and timings at that thread count mean little."""
+    x, w = torch.randn(16, 512), torch.randn(1536, 512)
+    threads = torch.get_num_threads()
+    out = {}
+    for n in sorted({1, threads, os.cpu_count() or 1}):
+        torch.set_num_threads(n)
+        for _ in range(10):
+            torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(100):
+            torch.nn.functional.linear(x, w)
+        out[f"{n}_threads_ms"] = (time.perf_counter() - start) * 10
+    torch.set_num_threads(threads)
+    return out
 
 
 def main(argv=None) -> int:
@@ -18,14 +40,23 @@ def main(argv=None) -> int:
     run.add_argument("suite", choices=SUITES)
     run.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
+    run.add_argument("--threads", type=int, default=None,
+                     help="torch (OpenMP) threads for this process and its children (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for suites that start subprocesses
     if args.device == "cuda" and not torch.cuda.is_available():
         print("perf: --device cuda needs CUDA", file=sys.stderr)
         return 2
-    from .suites import offline, ops
-    suite = {"ops": ops, "offline": offline}[args.suite]
+    import importlib
+    suite = importlib.import_module(f".suites.{args.suite}", __package__)
+    probe_before = contention_probe() if args.device == "cpu" else None
     result = suite.run(args.device, quick=args.quick)
     result["machine"] = machine_info(args.device)
+    result["machine"]["torch_num_threads"] = torch.get_num_threads()
+    if probe_before is not None:
+        result["machine"]["contention_probe_before_after"] = [probe_before, contention_probe()]
     suffix = "-quick" if args.quick else ""
     path = write_results(f"{args.suite}-{args.device}{suffix}", result)
     print(suite.summarize(result))

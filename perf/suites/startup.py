@@ -1,0 +1,214 @@
+"""Startup: wall time from process start to the first generated token, with a cold compile
+cache, a warm one, and eager (``--enforce-eager``) for reference.
+
+Why subprocesses: what a user waits for is a fresh ``vgraph generate`` process (Python and torch
+imports, weight load, KV cache, Dynamo, Inductor or the cache load, one forward). Measuring it
+in-process would hide the imports and let Dynamo/Inductor reuse in-memory state, so each sample
+is a fresh ``python -m vgraph.cli generate --max-tokens 1`` child.
+
+Cold is really cold: every cold run gets a fresh ``VGRAPH_CACHE_DIR`` *and* a fresh
+``TORCHINDUCTOR_CACHE_DIR`` (Inductor's FX-graph / AOTAutograd / C++ codecache would otherwise
+make a "cold" vgraph cache look warm). The warm run right after it reuses both directories, as a
+second start on the same machine would. ``warm_vgraph_only`` reuses the filled vgraph cache with
+a fresh Inductor cache: vgraph's artifacts copied to a new machine (or after clearing
+``~/.cache/torch``), i.e. whether vgraph's cache stands on its own.
+
+The parent timestamps every output line of the child as it arrives (the child runs with
+``PYTHONUNBUFFERED=1``); the first token is the arrival of the CLI's ``--- prompt`` line, which
+it prints as soon as ``generate`` returns the one-token completion. The phases come from the
+engine's own log lines (load, KV cache, compile summary with Dynamo / Inductor / cache-load
+seconds, engine ready).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+TARGET_COMPILE_PHASE_RATIO = 5.0  # the issue: warm start >= 5x faster than cold in the compile phase
+CHILD_TIMEOUT_S = 300
+PROMPT = "hello"
+
+_LOADED = re.compile(r"Loaded model .* in ([\d.]+) s")
+_KV = re.compile(r"KV cache: (\d+) blocks")
+_COMPILED = re.compile(
+    r"compiled (\d+) pieces \((\d+) compiled, (\d+) distinct\) in ([\d.]+) s: Dynamo ([\d.]+) s, "
+    r"Inductor ([\d.]+) s \((\d+) compilations\), cache (\d+) loads \(([\d.]+) s\), (\d+) saves")
+_READY = re.compile(r"engine ready in ([\d.]+) s")
+_MATCHES = re.compile(r"pass matches: (.*)$")
+
+
+def child_command(model: str, device: str, eager: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "vgraph.cli", "--log-level", "INFO", "generate", "--model", model,
+           "--prompt", PROMPT, "--max-tokens", "1", "--ignore-eos", "--device", device]
+    return cmd + (["--enforce-eager"] if eager else [])
+
+
+def run_child(cmd: list[str], env: dict[str, str]) -> dict:
+    """Runs one start; returns line-arrival times (s since just before the fork) and phases."""
+    lines: list[tuple[float, str]] = []
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)  # text mode splits on \r too, so tqdm updates are lines
+    assert proc.stdout is not None
+    deadline = start + CHILD_TIMEOUT_S
+    for line in proc.stdout:
+        lines.append((time.perf_counter() - start, line.rstrip("\n")))
+        if time.perf_counter() > deadline:
+            proc.kill()
+            break
+    rc = proc.wait()
+    exit_s = time.perf_counter() - start
+    if rc != 0:
+        tail = "\n".join(text for _, text in lines[-15:])
+        raise RuntimeError(f"child exited {rc}: {' '.join(cmd)}\n{tail}")
+    return parse_phases(lines, exit_s)
+
+
+def parse_phases(lines: list[tuple[float, str]], exit_s: float) -> dict:
+    out: dict = {"process_exit_s": exit_s}
+    for at, text in lines:
+        if (m := _LOADED.search(text)):
+            out["load_s"], out["loaded_at_s"] = float(m.group(1)), at
+        elif (m := _KV.search(text)):
+            out["kv_cache_at_s"], out["kv_blocks"] = at, int(m.group(1))
+        elif (m := _COMPILED.search(text)):
+            keys = ("pieces", "compiled_pieces", "distinct", "compile_s", "dynamo_s", "inductor_s",
+                    "inductor_compilations", "cache_loads", "cache_load_s", "cache_saves")
+            for k, v in zip(keys, m.groups()):
+                out[k] = float(v) if "." in v else int(v)
+            out["compiled_at_s"] = at
+        elif (m := _MATCHES.search(text)):
+            out["pass_matches"] = m.group(1)
+        elif (m := _READY.search(text)):
+            out["engine_ready_s"], out["engine_ready_at_s"] = float(m.group(1)), at
+        elif text.startswith("--- prompt") and "first_token_at_s" not in out:
+            out["first_token_at_s"] = at
+    missing = [k for k in ("load_s", "engine_ready_s", "first_token_at_s") if k not in out]
+    if missing:
+        raise RuntimeError(f"could not parse {missing} from the child's output:\n"
+                           + "\n".join(t for _, t in lines[-15:]))
+    # Derived phases. engine init starts engine_ready_s before the "engine ready" line arrives;
+    # everything before that is interpreter start, imports and argument parsing.
+    out["before_engine_s"] = out["engine_ready_at_s"] - out["engine_ready_s"]
+    out["kv_cache_s"] = out.get("kv_cache_at_s", out["loaded_at_s"]) - out["loaded_at_s"]
+    out["generate_s"] = out["first_token_at_s"] - out["engine_ready_at_s"]
+    if "compile_s" in out:
+        # compile_s covers build + Dynamo + Inductor/cache load + the warm-up forward
+        out["compile_core_s"] = out["dynamo_s"] + out["inductor_s"] + out["cache_load_s"]
+        out["compile_other_s"] = out["compile_s"] - out["compile_core_s"]
+    return out
+
+
+def child_env(vgraph_cache: str, inductor_cache: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"VGRAPH_CACHE_DIR": vgraph_cache, "TORCHINDUCTOR_CACHE_DIR": inductor_cache,
+                "TRITON_CACHE_DIR": os.path.join(inductor_cache, "triton"), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def run(device: str, quick: bool = False) -> dict:
+    from vgraph.models.demo import build_perf_checkpoint
+
+    from .compile import git_state
+
+    rounds = 1 if quick else 3
+    git = git_state()
+    load_before = os.getloadavg()  # other processes' load skews a 2-core machine: record it
+    samples: dict[str, list[dict]] = {"eager": [], "cold": [], "warm": [], "warm_vgraph_only": []}
+    with tempfile.TemporaryDirectory(prefix="vgraph-perf-startup-") as tmp:
+        model = build_perf_checkpoint(os.path.join(tmp, "ckpt"), seed=0)
+        scratch = os.path.join(tmp, "scratch")
+        # Untimed: puts the checkpoint, torch's .so files and modules in the page cache, so the
+        # first timed sample does not pay a one-time disk read the others do not.
+        run_child(child_command(model, device, eager=True), child_env(scratch + "-v", scratch + "-i"))
+        for r in range(rounds):
+            vdir, idir = os.path.join(tmp, f"vgraph-{r}"), os.path.join(tmp, f"inductor-{r}")
+            fresh_inductor = os.path.join(tmp, f"inductor-fresh-{r}")
+            steps = [("cold", vdir, idir, False), ("warm", vdir, idir, False),
+                     ("warm_vgraph_only", vdir, fresh_inductor, False)]
+            eager = ("eager", scratch + "-v", scratch + "-i", True)
+            steps = [eager] + steps if r % 2 == 0 else steps + [eager]  # eager's slot alternates
+            for name, v, i, is_eager in steps:
+                s = run_child(child_command(model, device, is_eager), child_env(v, i))
+                samples[name].append(s)
+                print(f"  round {r} {name:<17} first token {s['first_token_at_s']:6.2f} s  "
+                      f"(compile {s.get('compile_s', 0):.2f} s: Dynamo {s.get('dynamo_s', 0):.2f}, "
+                      f"Inductor {s.get('inductor_s', 0):.2f}, cache load {s.get('cache_load_s', 0):.2f})",
+                      flush=True)
+            shutil.rmtree(fresh_inductor, ignore_errors=True)
+    result = _result(samples, rounds, device, load_before)
+    result["config"]["git"] = git
+    return result
+
+
+def _median(samples: list[dict], key: str) -> Optional[float]:
+    vals = [s[key] for s in samples if key in s]
+    return statistics.median(vals) if vals else None
+
+
+METRICS = ("first_token_at_s", "process_exit_s", "before_engine_s", "load_s", "kv_cache_s", "compile_s",
+           "dynamo_s", "inductor_s", "cache_load_s", "compile_core_s", "compile_other_s",
+           "engine_ready_s", "generate_s")
+
+
+def _result(samples: dict[str, list[dict]], rounds: int, device: str, load_before) -> dict:
+    medians = {name: {k: _median(s, k) for k in METRICS if _median(s, k) is not None}
+               for name, s in samples.items()}
+    cold, warm, only = medians["cold"], medians["warm"], medians["warm_vgraph_only"]
+
+    def paired(a: str, b: str, key_a: str, key_b: str) -> list[float]:
+        return [x[key_a] / y[key_b] for x, y in zip(samples[a], samples[b])]
+
+    # The compile phase proper: what the cache replaces (Inductor) plus what it cannot (Dynamo).
+    cold_phase = [s["dynamo_s"] + s["inductor_s"] for s in samples["cold"]]
+    warm_phase = [s["dynamo_s"] + s["cache_load_s"] for s in samples["warm"]]
+    phase_ratio = statistics.median(c / w for c, w in zip(cold_phase, warm_phase))
+    ratios = {
+        "cold/warm first token": cold["first_token_at_s"] / warm["first_token_at_s"],
+        "cold/warm first token (paired median)": statistics.median(paired("cold", "warm", "first_token_at_s", "first_token_at_s")),
+        "compile phase cold/warm ((Dynamo+Inductor) / (Dynamo+cache load), paired median)": phase_ratio,
+        "compile summary cold/warm (incl. warm-up forward, paired median)": statistics.median(paired("cold", "warm", "compile_s", "compile_s")),
+        "cold/eager first token": cold["first_token_at_s"] / medians["eager"]["first_token_at_s"],
+        "warm/eager first token": warm["first_token_at_s"] / medians["eager"]["first_token_at_s"],
+        "cold/warm_vgraph_only first token": cold["first_token_at_s"] / only["first_token_at_s"],
+    }
+    return {
+        "suite": "startup",
+        "config": {"checkpoint": "build_perf_checkpoint(seed=0)", "rounds": rounds,
+                   "child": " ".join(child_command("<ckpt>", device, False)[1:]) + " [--enforce-eager]",
+                   "cold": "fresh VGRAPH_CACHE_DIR + fresh TORCHINDUCTOR_CACHE_DIR",
+                   "warm": "the same two dirs, right after the cold run",
+                   "warm_vgraph_only": "the filled VGRAPH_CACHE_DIR + a fresh TORCHINDUCTOR_CACHE_DIR",
+                   "order": "per round: cold, warm, warm_vgraph_only; eager first on even rounds, last on odd",
+                   "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+                   "loadavg_before_after": [load_before, os.getloadavg()]},
+        "samples": samples, "medians": medians, "ratio": ratios,
+        "compile_phase_s": {"cold_dynamo_plus_inductor": cold_phase, "warm_dynamo_plus_cache_load": warm_phase},
+        "target": {"compile_phase_ratio": TARGET_COMPILE_PHASE_RATIO, "measured": phase_ratio,
+                   "met": phase_ratio >= TARGET_COMPILE_PHASE_RATIO},
+    }
+
+
+def summarize(result: dict) -> str:
+    cfg = result["config"]
+    cols = [("first_token_at_s", "1st tok"), ("before_engine_s", "imports"), ("load_s", "load"),
+            ("compile_s", "compile"), ("dynamo_s", "Dynamo"), ("inductor_s", "Inductor"),
+            ("cache_load_s", "cacheld"), ("compile_other_s", "c.other"), ("generate_s", "gen")]
+    lines = [f"startup: fresh `vgraph generate --max-tokens 1` processes, median of {cfg['rounds']} "
+             f"(seconds; load avg before {cfg['loadavg_before_after'][0][0]:.2f})",
+             f"{'variant':<18}" + "".join(f"{label:>9}" for _, label in cols)]
+    for name, m in result["medians"].items():
+        lines.append(f"{name:<18}" + "".join(f"{m[k]:>9.2f}" if k in m else f"{'-':>9}" for k, _ in cols))
+    for name, value in result["ratio"].items():
+        lines.append(f"{name}: {value:.2f}x")
+    t = result["target"]
+    lines.append(f"target: compile phase warm >= {t['compile_phase_ratio']:.0f}x faster than cold: "
+                 f"{'met' if t['met'] else 'NOT met'} ({t['measured']:.2f}x)")
+    return "\n".join(lines)
