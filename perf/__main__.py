@@ -10,7 +10,7 @@ import torch
 
 from .timing import machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile")
+SUITES = ("ops", "offline", "startup", "compile", "serving")
 
 
 def contention_probe() -> dict:
