@@ -71,8 +71,8 @@ class ServerProcess:
     def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=120)
 
-    def post(self, path: str, body: object, **kwargs) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=120, **kwargs)
+    def post(self, path: str, body: object, timeout: object = 120, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout, **kwargs)
 
     def tokenize(self, prompt: str) -> list[int]:
         response = self.post("/tokenize", {"prompt": prompt})

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
+import pytest
+
 
 def test_64_concurrent_streams_finish_with_the_right_token_counts(server, model):
     async def one(client, i: int) -> tuple[int, str, int]:
@@ -56,3 +59,14 @@ def test_disconnects_mid_stream_free_the_kv_cache(server, model):
     assert aborted == 50
     generated = after["vgraph:generation_tokens_total"] - before["vgraph:generation_tokens_total"]
     assert generated < 50 * 400 / 2, "the aborted requests stopped generating"
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request(server, model):
+    before = server.wait_idle()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        server.post("/v1/completions", {"model": model, "prompt": "Patience", "max_tokens": 500,
+                                        "ignore_eos": True}, timeout=httpx.Timeout(30, read=0.5))
+    after = server.wait_idle(timeout=30)
+    key = "vgraph:request_success_total{finished_reason=abort}"
+    assert after[key] - before[key] == 1
+    assert after["vgraph:generation_tokens_total"] - before["vgraph:generation_tokens_total"] < 500
