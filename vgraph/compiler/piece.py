@@ -1,11 +1,15 @@
 """A compiled piece at run time: one artifact for the dynamic token count, plus one per
-``compile_sizes`` entry, chosen by the token count of each call."""
+``compile_sizes`` entry, chosen by the token count of each call. While the runner has
+PIECEWISE CUDA graphs active (cudagraph.py), the call goes through the piece's graph for
+that token count instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+
+from . import cudagraph
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,11 @@ class PieceRunner(torch.nn.Module):
         self._unflatten = _unflatten(single_output)
 
     def forward(self, *args: Any) -> Any:
+        num_tokens = self.token_dim.read(args) if self.token_dim is not None else None
         fn = self.dynamic
-        if self.static and self.token_dim is not None:
-            fn = self.static.get(self.token_dim.read(args), self.dynamic)
+        if self.static and num_tokens is not None:
+            fn = self.static.get(num_tokens, self.dynamic)
+        graphs = cudagraph.active_piecewise()
+        if graphs is not None and num_tokens is not None:
+            return self._unflatten(graphs.run(self, fn, args, num_tokens))
         return self._unflatten(fn(*args))

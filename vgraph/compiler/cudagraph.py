@@ -1,0 +1,365 @@
+"""CUDA graph capture and replay: FULL graphs of the whole forward per decode bucket, and
+PIECEWISE graphs of each compiled piece per token bucket.
+
+FULL (``FullGraphs``): for decode bucket B the forward, attention included, is captured over
+persistent input buffers (``vgraph.worker.batch.DecodeBuffers``): the attention op reads its
+metadata from the forward context at capture time, so the kernels' pointers are those
+buffers' and the runner copies each batch *into* them before replay. Host-side choices the
+attention op makes (``max_query_len`` = 1, the split-KV count) are fixed per graph. The
+output is copied, inside the graph, into one persistent hidden-state buffer.
+
+PIECEWISE (``PiecewiseGraphs``): the split graph runs as usual and each ``PieceRunner``
+(piece.py) hands its call to the active ``PiecewiseGraphs``, which captures or replays that
+piece's graph for the call's token count. Attention runs eagerly between the pieces, so
+mixed prefill/decode batches are served. A piece's inputs are either weights (same tensor
+every call), the previous piece's graph outputs (same address on every replay), or fresh
+tensors (the attention output, the padded input ids), which are copied into persistent
+staging buffers before replay. Outputs are copied, inside the graph, into persistent output
+buffers, so nothing a graph allocated stays alive after capture.
+
+Every graph of an engine shares one memory pool and is captured largest first: scratch of
+smaller captures fits in what the larger ones freed, so the pool costs about one forward's
+activations at the largest bucket. Buffers of a slot are sized by the largest capture and
+smaller buckets use their leading rows.
+
+This module is only used on CUDA; on CPU the dispatcher runs the same padded buckets through
+the compiled forward without graphs (see vgraph/worker/dispatch.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+from unittest import mock
+
+import torch
+from tqdm.auto import tqdm
+
+from vgraph.ops.forward_context import ForwardContext, set_forward_context
+
+logger = logging.getLogger("vgraph")
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class _Buffers:
+    """Persistent tensors by slot, shared across token counts: a slot's tensor is made by its
+    first (largest) capture with that capture's strides, and smaller counts use its leading
+    rows (same strides: compiled pieces check the strides of their inputs). A tensor that
+    does not fit that pattern (strides that depend on the count, a larger count after a
+    smaller one) gets a tensor of its own."""
+
+    def __init__(self) -> None:
+        self._shared: dict[Any, torch.Tensor] = {}
+
+    def like(self, slot: Any, template: torch.Tensor) -> torch.Tensor:
+        buf = self._shared.get(slot)
+        if buf is not None and _leading_rows_fit(buf, template):
+            return buf[:template.shape[0]]
+        new = _empty_like_layout(template)
+        if buf is None and template.dim() > 0:
+            self._shared[slot] = new
+        return new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._shared.values())
+
+
+def _leading_rows_fit(buf: torch.Tensor, t: torch.Tensor) -> bool:
+    return (t.dim() > 0 and buf.dtype == t.dtype and buf.device == t.device and buf.shape[1:] == t.shape[1:]
+            and buf.shape[0] >= t.shape[0] and buf.stride() == t.stride())
+
+
+def _empty_like_layout(t: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor with ``t``'s sizes and strides (contiguous if ``t`` overlaps itself, as
+    an expanded tensor does: nothing could be copied into that layout)."""
+    if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape)):
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    return torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _flat(out: Any) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _new_graph() -> Any:
+    return torch.cuda.CUDAGraph()
+
+
+def _record(graph: Any, pool: Any, body: Callable[[], None]) -> None:
+    """Captures what ``body`` launches into ``graph``. Replaying a graph re-runs the body's
+    kernels on the same addresses, i.e. is ``body()`` again with whatever the buffers hold
+    then; tests emulate CUDA graphs on CPU by replacing these two functions on that basis."""
+    with torch.cuda.graph(graph, pool=pool):
+        body()
+
+
+# ---------------------------------------------------------------------------------- PIECEWISE
+
+
+@dataclass
+class _PieceGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list  # what the graph reads, per argument (a tensor, or the value it was captured with)
+    copied: tuple[int, ...]  # arguments that may arrive at another address and are copied in
+    outputs: list  # persistent output views (or non-tensor values)
+    # Tensor arguments read in place (weights): a replay needs the very objects captured.
+    in_place: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.in_place = tuple(i for i, t in enumerate(self.inputs)
+                              if isinstance(t, torch.Tensor) and i not in self.copied)
+
+
+class PieceGraphs:
+    """One compiled piece's graphs, one per token count."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[int, _PieceGraph] = {}
+        self._staging, self._outs = _Buffers(), _Buffers()
+        self._out_views: dict[int, list] = {}
+        self._warm_args: dict[int, tuple] = {}
+
+    def warm_up(self, num_tokens: int, fn: Callable, args: Sequence) -> list:
+        """Runs the piece plainly and prepares the output buffers of ``num_tokens`` (they must
+        exist before capture: anything allocated during capture belongs to the graph pool).
+        Keeps the arguments, so the capture can tell weights (the same tensor objects again)
+        from per-call tensors."""
+        out = _flat(fn(*args))
+        self._warm_args[num_tokens] = tuple(args)
+        if num_tokens not in self._out_views:
+            self._out_views[num_tokens] = [self._outs.like(j, o) if isinstance(o, torch.Tensor) else o
+                                           for j, o in enumerate(out)]
+        return out
+
+    def capture(self, num_tokens: int, fn: Callable, args: Sequence, pool: Any,
+                produced: set[int]) -> list:
+        """Captures the piece for ``num_tokens``; ``produced`` holds the addresses of outputs
+        of graphs captured earlier in this forward, which this graph may read in place."""
+        inputs, copied = self._static_inputs(args, self._warm_args.pop(num_tokens, ()), produced)
+        outs = self._out_views[num_tokens]
+
+        def body() -> None:
+            for dst, value in zip(outs, _flat(fn(*inputs))):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(value)
+
+        graph = _new_graph()
+        _record(graph, pool, body)
+        graph.replay()  # capture records without running: make this call's outputs real
+        self.graphs[num_tokens] = _PieceGraph(graph, inputs, copied, outs)
+        return outs
+
+    def forget_warm_up(self) -> None:
+        self._warm_args.clear()
+
+    def _static_inputs(self, args: Sequence, warm_args: Sequence,
+                       produced: set[int]) -> tuple[list, tuple[int, ...]]:
+        inputs, copied = [], []
+        for i, arg in enumerate(args):
+            same_object = i < len(warm_args) and warm_args[i] is arg
+            if not isinstance(arg, torch.Tensor) or same_object or isinstance(arg, torch.nn.Parameter):
+                inputs.append(arg)  # weights and constants: read in place
+                continue
+            copied.append(i)
+            if arg.data_ptr() in produced:
+                inputs.append(arg)  # a graph output: replays write it at this very address
+            else:
+                staged = self._staging.like(i, arg)
+                staged.copy_(arg)
+                inputs.append(staged)
+        return inputs, tuple(copied)
+
+    def replay(self, num_tokens: int, args: Sequence) -> Optional[list]:
+        """The outputs for this call, or None when no graph exists for ``num_tokens``."""
+        entry = self.graphs.get(num_tokens)
+        if entry is None or any(args[i] is not entry.inputs[i] for i in entry.in_place):
+            return None  # a weight was replaced since capture: the graph would read the old one
+        for i in entry.copied:
+            static, arg = entry.inputs[i], args[i]
+            if arg.data_ptr() != static.data_ptr():
+                static.copy_(arg)
+        entry.graph.replay()
+        return entry.outputs
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._staging.nbytes + self._outs.nbytes
+
+
+class Phase(enum.Enum):
+    WARMUP = "warmup"  # run plainly, prepare buffers
+    CAPTURE = "capture"
+    REPLAY = "replay"
+
+
+_active: Optional["PiecewiseGraphs"] = None
+
+
+def active_piecewise() -> Optional["PiecewiseGraphs"]:
+    """The graphs that ``PieceRunner`` calls go through right now (None: run plainly)."""
+    return _active
+
+
+class PiecewiseGraphs:
+    """Every piece's graphs for one compiled model, keyed by the ``PieceRunner``."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.phase = Phase.REPLAY
+        self._pieces: dict[int, tuple[Any, PieceGraphs]] = {}  # id(runner) -> (runner, graphs)
+        self._produced: set[int] = set()
+        self.misses = 0  # replays that found no graph for their token count (ran plainly)
+
+    @contextlib.contextmanager
+    def active(self, phase: Phase) -> Iterator[None]:
+        """Routes piece calls through these graphs for one forward."""
+        global _active
+        previous, _active = _active, self
+        self.phase, self._produced = phase, set()
+        try:
+            yield
+        finally:
+            _active = previous
+            if phase is Phase.CAPTURE:
+                for _, graphs in self._pieces.values():
+                    graphs.forget_warm_up()
+
+    def run(self, runner: Any, fn: Callable, args: Sequence, num_tokens: int) -> list:
+        graphs = self._graphs_of(runner)
+        if self.phase is Phase.WARMUP:
+            return graphs.warm_up(num_tokens, fn, args)
+        out = graphs.replay(num_tokens, args) if num_tokens in graphs.graphs else None
+        if out is None and self.phase is Phase.CAPTURE:
+            out = graphs.capture(num_tokens, fn, args, self.pool, self._produced)
+        if out is None:
+            self.misses += 1
+            return _flat(fn(*args))
+        if self.phase is Phase.CAPTURE:
+            self._produced.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
+        return out
+
+    def _graphs_of(self, runner: Any) -> PieceGraphs:
+        entry = self._pieces.get(id(runner))
+        if entry is None:
+            entry = self._pieces[id(runner)] = (runner, PieceGraphs())
+        return entry[1]
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(len(g.graphs) for _, g in self._pieces.values())
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(g.buffer_bytes for _, g in self._pieces.values())
+
+
+# --------------------------------------------------------------------------------------- FULL
+
+
+class FullGraphs:
+    """One graph of the whole forward per decode bucket, over ``DecodeBuffers``."""
+
+    def __init__(self, forward_fn: Forward, buffers: Any, kv_caches: Sequence, softmax_scale: float,
+                 pool: Any) -> None:
+        self.forward_fn, self.buffers, self.pool = forward_fn, buffers, pool
+        self.kv_caches, self.softmax_scale = kv_caches, softmax_scale
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: Optional[torch.Tensor] = None  # [max bucket, hidden], written by every graph
+
+    def capture(self, bucket: int) -> None:
+        inputs = self.buffers.inputs(bucket)
+        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.softmax_scale)
+
+        def body() -> None:
+            # The attention op reads the metadata here, at capture: the graph keeps these views.
+            with set_forward_context(ctx):
+                self.hidden[:bucket].copy_(self.forward_fn(inputs.input_ids, inputs.positions))
+
+        self.buffers.reset()  # all padding: the warm-up and capture runs write no KV
+        with set_forward_context(ctx):
+            warm = self.forward_fn(inputs.input_ids, inputs.positions)  # compiles Triton kernels
+        if self.hidden is None:
+            self.hidden = warm.new_empty((self.buffers.max_seqs, *warm.shape[1:]))
+        del warm
+        graph = _new_graph()
+        _record(graph, self.pool, body)
+        self.graphs[bucket] = graph
+
+    def replay(self, batch: Any, bucket: int) -> torch.Tensor:
+        """Hidden states of the padded bucket; rows past the batch's are padding."""
+        self.buffers.fill(batch, bucket)
+        self.graphs[bucket].replay()
+        return self.hidden[:bucket]
+
+
+# ------------------------------------------------------------------------------------ capture
+
+
+@dataclass
+class CaptureReport:
+    full_graphs: int = 0
+    piecewise_graphs: int = 0
+    piecewise_buckets: int = 0
+    seconds: float = 0.0
+    memory_bytes: int = 0  # device memory the capture took (pool, buffers, graph objects)
+    estimated_bytes: int = 0  # what the KV sizing reserved for it
+
+    def summary(self) -> str:
+        return (f"captured CUDA graphs: {self.full_graphs} FULL (decode buckets), "
+                f"{self.piecewise_graphs} PIECEWISE ({self.piecewise_buckets} token buckets x pieces) "
+                f"in {self.seconds:.2f} s; graph memory {self.memory_bytes / 2**30:.3f} GiB "
+                f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
+
+
+@contextlib.contextmanager
+def _quick_captures(device: torch.device) -> Iterator[None]:
+    """``torch.cuda.graph`` empties the allocator cache before every capture; over hundreds
+    of captures that dominates startup and frees nothing the pool could use, so it runs once
+    here instead."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    with mock.patch("torch.cuda.empty_cache", lambda: None):
+        yield
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free device memory after pending work (0 where it cannot be measured)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def capture_all(full: Optional[FullGraphs], full_buckets: Sequence[int],
+                piecewise: Optional[PiecewiseGraphs], piecewise_buckets: Sequence[int],
+                run_dummy: Callable[[int], None], device: torch.device) -> CaptureReport:
+    """Captures a FULL graph per decode bucket, then every piece's graph
+    for each token bucket, largest first, with a progress bar; measures the device memory it
+    took. ``run_dummy(n)`` runs one forward of n padding tokens over *fresh* input tensors
+    (a piece tells weights from per-call inputs by whether the same object comes back)."""
+    full_jobs = sorted(full_buckets, reverse=True) if full is not None else []
+    piece_jobs = sorted(piecewise_buckets, reverse=True) if piecewise is not None else []
+    start, free_before = time.perf_counter(), _free_bytes(device)
+    with _quick_captures(device), tqdm(total=len(full_jobs) + len(piece_jobs), desc="capturing CUDA graphs",
+                                       unit="bucket", leave=False) as bar:
+        for bucket in full_jobs:
+            full.capture(bucket)
+            bar.update(1)
+        for num_tokens in piece_jobs:
+            for phase in (Phase.WARMUP, Phase.CAPTURE):
+                with piecewise.active(phase):
+                    run_dummy(num_tokens)
+            bar.update(1)
+    return CaptureReport(
+        full_graphs=len(full.graphs) if full is not None else 0,
+        piecewise_graphs=piecewise.num_graphs if piecewise is not None else 0,
+        piecewise_buckets=len(piece_jobs), seconds=time.perf_counter() - start,
+        memory_bytes=max(0, free_before - _free_bytes(device)))
