@@ -15,12 +15,14 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..models.loader import load_generation_config, load_model, load_tokenizer, resolve_model_path
 from ..sampling_params import SamplingParams
+from ..compiler.cudagraph import CaptureReport
+from ..worker.dispatch import CudaGraphMode, capture_sizes, resolve_mode
 from ..worker.kv_sizing import KVSpec, num_blocks_for
 from ..worker.runner import ModelRunner
 from .detokenizer import IncrementalDetokenizer
 from .inputs import PromptType, check_prompt, prompt_to_ids
 from .outputs import CompletionOutput, RequestOutput
-from .profiling import profile_peak_bytes
+from .profiling import estimate_cudagraph_bytes, profile_memory
 
 logger = logging.getLogger("vgraph")
 
@@ -77,29 +79,62 @@ class LLMEngine:
         m = self.model
         # The activation dtype, not a parameter's: fp8 models hold e4m3 weights.
         spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.config.cache.block_size, m.dtype)
-        peak = 0
+        sched = self.config.scheduler
+        self.cudagraph_mode = resolve_mode(self.config.compile)
+        self.cudagraph_buckets = capture_sizes(self.config.compile, sched.max_num_seqs, sched.max_num_batched_tokens)
+        self.cudagraph_report: Optional[CaptureReport] = None
+        peak = self._graph_reserve = 0
         if self.device.type == "cuda" and self.config.cache.num_gpu_blocks is None:
-            peak = profile_peak_bytes(m, spec, self.config.scheduler, self.max_model_len, self.device)
-        seats = self.config.scheduler.max_num_seqs
+            profile = profile_memory(m, spec, sched, self.max_model_len, self.device)
+            peak = profile.peak_bytes
+            self._graph_reserve = estimate_cudagraph_bytes(profile, m, self.cudagraph_buckets, self.cudagraph_mode,
+                                                           self.max_model_len, spec.block_size)
+        seats = sched.max_num_seqs
         useful = seats * -(-self.max_model_len // spec.block_size)
-        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak, useful)
+        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak + self._graph_reserve, useful)
         tokens = num_blocks * spec.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, spec.block_size, tokens,
                     num_blocks * spec.bytes_per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
+        if self._graph_reserve:
+            logger.info("reserved %.3f GiB for CUDA graphs before sizing the KV cache", self._graph_reserve / 2**30)
         runner = ModelRunner(m, spec, num_blocks, self.device, m.vocab_size)
         if self.config.compile.level == "compiled":
             self._compile(runner)
         return runner
 
     def _compile(self, runner: ModelRunner) -> None:
-        """Captures and compiles the forward now (or loads it from the compile cache)."""
+        """Captures and compiles the forward now (or loads it from the compile cache), then
+        sets up the dispatcher's buckets and captures the CUDA graphs."""
         start = time.perf_counter()
         compiled, self.compile_counters, self.compile_cache = build_compiled_forward(
             self.model, self.config, self.hf_config, self.device)
         runner.forward_fn = compiled
         runner.warm_up(min(16, self.config.scheduler.max_num_batched_tokens))
         log_compile_summary(self.compile_counters, self.compile_cache, time.perf_counter() - start)
+        self._set_up_graphs(runner)
+
+    def _set_up_graphs(self, runner: ModelRunner) -> None:
+        mode, buckets = self.cudagraph_mode, self.cudagraph_buckets
+        if mode is CudaGraphMode.NONE:
+            logger.info("CUDA graphs off (cudagraph_mode=none): every batch runs the compiled forward unpadded")
+            return
+        runner.enable_buckets(mode, buckets, self.max_model_len)
+        report = runner.capture_cudagraphs()
+        report.estimated_bytes = self._graph_reserve
+        self.cudagraph_report = report
+        if self.device.type == "cuda":
+            logger.info(report.summary())
+            if report.memory_bytes > self._graph_reserve:
+                logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
+                               report.memory_bytes / 2**30, self._graph_reserve / 2**30)
+            return
+        full = buckets.full if mode.has_full else ()
+        pieces = buckets.piecewise if mode.has_piecewise else ()
+        logger.info("cudagraph_mode=%s on %s: no graphs; %d decode buckets (FULL, up to %s) and %d token "
+                    "buckets (PIECEWISE, up to %s) run the compiled forward at the padded size",
+                    mode.value, self.device.type, len(full), full[-1] if full else "-", len(pieces),
+                    pieces[-1] if pieces else "-")
 
     # ------------------------------------------------------------------ requests
 

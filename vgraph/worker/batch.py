@@ -139,6 +139,13 @@ class DecodeBuffers:
             view = self._views[bucket] = DecodeInputs(self.input_ids[:bucket], self.positions[:bucket], meta)
         return view
 
+    def reset(self) -> None:
+        """Every row padding again (no slot, empty sequence), as after construction."""
+        self.input_ids.fill_(PAD_TOKEN_ID)
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+
     def fill(self, batch: FlatBatch, bucket: int) -> DecodeInputs:
         """Copies a pure-decode batch into rows ``:n`` and padding into ``n:bucket``, in place."""
         meta, n = batch.attn_metadata, batch.num_tokens
