@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import logging
 import queue
 import threading
@@ -163,6 +162,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, OutputCollector] = {}
         self._pending_adds = 0  # submitted requests the engine thread has not taken yet
+        self._unanswered: set[asyncio.Future] = set()  # acceptance futures of those submissions
         self._ready = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -178,7 +178,6 @@ class AsyncEngine:
         self.model_path = ""
         self.max_logprobs = 0
         self.eos_token_ids: frozenset[int] = frozenset()
-        self._ids = itertools.count()
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
@@ -208,14 +207,19 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.1f s", timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Wakes every waiting caller with ``error``: the engine will not answer them any more."""
         for collector in set(self._collectors.values()):
-            collector._fail(EngineDeadError("the server is shutting down"))
+            collector._fail(error)
         self._collectors.clear()
+        for future in self._unanswered:
+            if not future.done():
+                future.set_exception(error)
+        self._unanswered.clear()
 
     # ------------------------------------------------------------------ requests (event loop)
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{time.monotonic_ns():x}"
 
     @property
     def queue_length(self) -> int:
@@ -238,6 +242,7 @@ class AsyncEngine:
         for rid in collector.request_ids:
             self._collectors[rid] = collector
         self._pending_adds += len(items)
+        self._unanswered.add(accepted)
         self._commands.put(_Add(list(items), collector, accepted, time.monotonic()))
         try:
             await asyncio.shield(accepted)
@@ -294,6 +299,7 @@ class AsyncEngine:
 
     def _on_accepted(self, command: _Add, error: Optional[BaseException]) -> None:
         self._pending_adds -= len(command.items)
+        self._unanswered.discard(command.accepted)
         if not command.accepted.done():
             if error is None:
                 command.accepted.set_result(None)
@@ -314,10 +320,7 @@ class AsyncEngine:
 
     def _on_fatal(self, error: BaseException) -> None:
         self.error = error
-        dead = EngineDeadError(f"the engine failed: {type(error).__name__}: {error}")
-        for collector in set(self._collectors.values()):
-            collector._fail(dead)
-        self._collectors.clear()
+        self._fail_all(EngineDeadError(f"the engine failed: {type(error).__name__}: {error}"))
         if self.on_fatal is not None:
             self.on_fatal(error)
 
