@@ -126,9 +126,14 @@ def test_body_size_limit(server, client, model):
 
 
 def test_header_size_limit(server, client, model):
-    response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
-                          headers={"x-padding": "a" * (128 * 1024)}, timeout=30)
-    assert response.status_code == 400
+    """Headers over 64 KiB are refused by the HTTP parser: a 400, or (when the server closes
+    while the client is still sending) a reset connection; either way nothing reaches the app."""
+    try:
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
+                              headers={"x-padding": "a" * (128 * 1024)}, timeout=30)
+        assert response.status_code == 400
+    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+        pass
     _still_serving(client, model)
 
 
