@@ -1,6 +1,7 @@
 """Attention rows of the op benchmark: a decode batch of ``tokens`` sequences.
 
-Variants: the plain-torch paged reference (one sequence at a time), SDPA over K/V already
+Variants: the plain-torch paged reference (one sequence at a time), on CPU the batched CPU
+kernel the engine runs, SDPA over K/V already
 gathered into a contiguous padded batch (what an unpaged runtime runs; it excludes the gather),
 and on CUDA the unified Triton kernel and the split-KV kernel.
 """
@@ -37,6 +38,8 @@ def families(tokens: int, dtype: torch.dtype, device: str) -> dict:
         "torch_eager": lambda: paged_attention_reference(*args),
         "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
+    if device == "cpu":  # the batched CPU kernel the engine runs (ops/cpu_attention.py)
+        variants["vgraph_cpu_kernel"] = lambda: torch.ops.vgraph.paged_attention(*args)
     if device == "cuda":
         vg = torch.ops.vgraph
         variants["triton"] = lambda: vg.paged_attention(*args)
