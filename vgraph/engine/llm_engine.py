@@ -79,29 +79,38 @@ class LLMEngine:
         m = self.model
         # The activation dtype, not a parameter's: fp8 models hold e4m3 weights.
         spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, self.config.cache.block_size, m.dtype)
-        sched = self.config.scheduler
-        self.cudagraph_mode = resolve_mode(self.config.compile)
-        self.cudagraph_buckets = capture_sizes(self.config.compile, sched.max_num_seqs, sched.max_num_batched_tokens)
-        self.cudagraph_report: Optional[CaptureReport] = None
-        peak = self._graph_reserve = 0
-        if self.device.type == "cuda" and self.config.cache.num_gpu_blocks is None:
-            profile = profile_memory(m, spec, sched, self.max_model_len, self.device)
-            peak = profile.peak_bytes
-            self._graph_reserve = estimate_cudagraph_bytes(profile, m, self.cudagraph_buckets, self.cudagraph_mode,
-                                                           self.max_model_len, spec.block_size)
-        seats = sched.max_num_seqs
-        useful = seats * -(-self.max_model_len // spec.block_size)
-        num_blocks = num_blocks_for(spec, self.config.cache, self.device, peak + self._graph_reserve, useful)
+        self._plan_graphs()
+        useful = self.config.scheduler.max_num_seqs * -(-self.max_model_len // spec.block_size)
+        num_blocks = num_blocks_for(spec, self.config.cache, self.device, self._non_kv_bytes(spec), useful)
         tokens = num_blocks * spec.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", num_blocks, spec.block_size, tokens,
                     num_blocks * spec.bytes_per_block / 2**30, self.max_model_len, tokens / self.max_model_len)
-        if self._graph_reserve:
-            logger.info("reserved %.3f GiB for CUDA graphs before sizing the KV cache", self._graph_reserve / 2**30)
         runner = ModelRunner(m, spec, num_blocks, self.device, m.vocab_size)
         if self.config.compile.level == "compiled":
             self._compile(runner)
         return runner
+
+    def _plan_graphs(self) -> None:
+        """The dispatcher's mode and buckets, known before memory is planned."""
+        sched = self.config.scheduler
+        self.cudagraph_mode = resolve_mode(self.config.compile)
+        self.cudagraph_buckets = capture_sizes(self.config.compile, sched.max_num_seqs, sched.max_num_batched_tokens)
+        self.cudagraph_report: Optional[CaptureReport] = None
+        self._graph_reserve = 0
+
+    def _non_kv_bytes(self, spec: KVSpec) -> int:
+        """On CUDA, unless the KV size is given: device memory everything but the KV cache
+        needs, the profiled forward's peak plus the CUDA graphs' estimate (captured later,
+        over the allocated cache, so they cannot be measured yet)."""
+        if self.device.type != "cuda" or self.config.cache.num_gpu_blocks is not None:
+            return 0
+        profile = profile_memory(self.model, spec, self.config.scheduler, self.max_model_len, self.device)
+        self._graph_reserve = estimate_cudagraph_bytes(profile, self.model, self.cudagraph_buckets,
+                                                       self.cudagraph_mode, self.max_model_len, spec.block_size)
+        if self._graph_reserve:
+            logger.info("reserving %.3f GiB for CUDA graphs before sizing the KV cache", self._graph_reserve / 2**30)
+        return profile.peak_bytes + self._graph_reserve
 
     def _compile(self, runner: ModelRunner) -> None:
         """Captures and compiles the forward now (or loads it from the compile cache), then
@@ -125,7 +134,7 @@ class LLMEngine:
         self.cudagraph_report = report
         if self.device.type == "cuda":
             logger.info(report.summary())
-            if report.memory_bytes > self._graph_reserve:
+            if 0 < self._graph_reserve < report.memory_bytes:  # 0: KV size given, nothing reserved
                 logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
                                report.memory_bytes / 2**30, self._graph_reserve / 2**30)
             return

@@ -71,12 +71,6 @@ def profile_memory(model: torch.nn.Module, spec: KVSpec, sched: SchedulerConfig,
     return MemoryProfile(int(peak - scratch), int(resident - scratch), tokens)
 
 
-def profile_peak_bytes(model: torch.nn.Module, spec: KVSpec, sched: SchedulerConfig,
-                       max_model_len: int, device: torch.device) -> int:
-    """Peak bytes (weights + activations) of the largest forward; see ``profile_memory``."""
-    return profile_memory(model, spec, sched, max_model_len, device).peak_bytes
-
-
 def estimate_cudagraph_bytes(profile: MemoryProfile, model: torch.nn.Module, buckets: Buckets,
                              mode: CudaGraphMode, max_model_len: int, block_size: int) -> int:
     """Device memory CUDA graph capture will take (see cudagraph.py for what it holds):

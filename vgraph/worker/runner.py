@@ -66,7 +66,8 @@ class ModelRunner:
         in place). FULL buckets get persistent input buffers sized for the largest one
         (inference tensors, like every other input: the compiled forward guards on that)."""
         self.cudagraph_mode, self.buckets, self.max_model_len = mode, buckets, max_model_len
-        self.decode_buffers = None
+        # Graphs belong to the buffers they were captured over: new buckets, new capture.
+        self.decode_buffers, self.full_graphs, self.piecewise_graphs = None, None, None
         if mode.has_full and buckets.full:
             max_blocks = -(-max_model_len // self.spec.block_size)
             self.decode_buffers = DecodeBuffers(buckets.full[-1], max_blocks, max_model_len, self.device,
