@@ -10,7 +10,7 @@ import torch
 
 from .timing import machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile", "serving")
+SUITES = ("ops", "offline", "startup", "compile", "serving", "decode")
 
 
 def contention_probe() -> dict:
