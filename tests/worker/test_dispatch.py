@@ -11,7 +11,7 @@ from vgraph.core.scheduler import Scheduler
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.batch import DecodeBuffers, build_flat_batch, pad_tokens
-from vgraph.worker.dispatch import (BatchShape, Buckets, CudaGraphMode, Decision, Path, capture_sizes,
+from vgraph.worker.dispatch import (BatchShape, CudaGraphMode, Decision, Path, capture_sizes,
                                     choose, default_capture_sizes, resolve_mode)
 
 DEFAULT = capture_sizes(CompileConfig(), max_num_seqs=256, max_num_batched_tokens=8192)

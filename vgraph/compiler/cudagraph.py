@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -39,8 +38,6 @@ import torch
 from tqdm.auto import tqdm
 
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
-
-logger = logging.getLogger("vgraph")
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
