@@ -138,7 +138,7 @@ class _Abort:
 
 
 class _Stop:
-    pass
+    """Tells the engine thread to return: what is still running is aborted in the engine."""
 
 
 class AsyncEngine:
