@@ -94,18 +94,21 @@ class ModelRunner:
     def _graph_kv_splits(self, bucket: int) -> int:
         """The split-KV count baked into a FULL graph: chosen for the longest context the
         graph may see, since the graph cannot re-decide per step."""
-        if self.device.type != "cuda" or self.max_model_len < _SPLIT_KV_MIN_SEQ_LEN:
-            return 1
-        if bucket * self.spec.num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
-            return 1
-        return min(16, self.max_model_len // 1024)
+        return self._split_kv_count(bucket, self.max_model_len)
 
     def _kv_splits(self, meta: AttentionMetadata) -> int:
-        if self.device.type != "cuda" or meta.max_query_len != 1 or meta.max_seq_len < _SPLIT_KV_MIN_SEQ_LEN:
+        if meta.max_query_len != 1:
+            return 1  # split-KV is a decode kernel
+        return self._split_kv_count(meta.num_seqs, meta.max_seq_len)
+
+    def _split_kv_count(self, num_seqs: int, max_seq_len: int) -> int:
+        """Splits only on CUDA, for contexts long enough to split, and only while the
+        unsplit grid has too few (sequence, kv head) programs to fill the GPU."""
+        if self.device.type != "cuda" or max_seq_len < _SPLIT_KV_MIN_SEQ_LEN:
             return 1
-        if meta.num_seqs * self.spec.num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
+        if num_seqs * self.spec.num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
             return 1
-        return min(16, meta.max_seq_len // 1024)
+        return min(16, max_seq_len // 1024)
 
     # ------------------------------------------------------------------ forward
 
