@@ -94,6 +94,8 @@ def test_greedy_logprobs_match_transformers_log_softmax():
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
     expected_tokens, expected_lp = hf_greedy(path, tuple(prompt), 8)
     assert out.token_ids == expected_tokens
+    chosen = sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids))
+    assert out.cumulative_logprob == pytest.approx(chosen, abs=1e-6)
     for tok, lp, ref in zip(out.token_ids, out.logprobs, expected_lp):
         assert abs(lp[tok] - ref[tok].item()) < 1e-4
         top3 = set(ref.topk(3).indices.tolist())

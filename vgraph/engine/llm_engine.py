@@ -31,6 +31,7 @@ logger = logging.getLogger("vgraph")
 class _Sequence:
     request: Request
     detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float = 0.0  # of the chosen tokens, kept as they arrive
 
 
 @dataclass
@@ -206,7 +207,10 @@ class LLMEngine:
 
     def _detokenize(self, group: _Group, req: Request) -> None:
         seq = next(s for s in group.sequences if s.request is req)
-        stop = seq.detokenizer.update([req.output_token_ids[-1]])
+        token = req.output_token_ids[-1]
+        if req.sampling_params.logprobs is not None and len(req.logprobs) == len(req.output_token_ids):
+            seq.cumulative_logprob += req.logprobs[-1][token]
+        stop = seq.detokenizer.update([token])
         if stop is not None and not req.status.finished:
             req.stop_reason = stop
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -217,7 +221,7 @@ class LLMEngine:
             req = seq.request
             wants_logprobs = req.sampling_params.logprobs is not None
             lps = list(req.logprobs) if wants_logprobs else None
-            cumulative = (sum(d[t] for d, t in zip(lps, req.output_token_ids)) if lps else None)
+            cumulative = seq.cumulative_logprob if lps else None
             completions.append(CompletionOutput(i, seq.detokenizer.output_text, list(req.output_token_ids),
                                                 cumulative, lps, req.finish_reason, req.stop_reason))
         cached = group.sequences[0].request.num_cached_prefix_tokens
