@@ -5,10 +5,11 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from .timing import machine_info, write_results
+from .timing import RESULTS_DIR, machine_info, write_results
 
 SUITES = ("ops", "offline", "startup", "compile", "serving", "decode")
 
@@ -42,7 +43,11 @@ def main(argv=None) -> int:
     run.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     run.add_argument("--threads", type=int, default=None,
                      help="torch (OpenMP) threads for this process and its children (default: torch's)")
+    replot = sub.add_parser("plot", help="redraw perf/results/*.png from the results files already there")
+    replot.add_argument("names", nargs="*", help="results names, e.g. offline-cpu (default: every results file)")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        return replot_results(args.names)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for suites that start subprocesses
@@ -61,6 +66,42 @@ def main(argv=None) -> int:
     path = write_results(f"{args.suite}-{args.device}{suffix}", result)
     print(suite.summarize(result))
     print(f"results: {path}")
+    plot_path = save_plot(suite, result, path)
+    if plot_path is not None:
+        print(f"plot: {plot_path}")
+    return 0
+
+
+def save_plot(suite, result: dict, results_path: Path) -> Path | None:
+    """Draws the suite's figure next to its results file (same name, .png).
+
+    A suite opts in by defining ``plot(result) -> matplotlib Figure``. Plotting is drawn from the
+    results dict alone, so ``python -m perf plot`` can redraw any committed file later.
+    """
+    if not hasattr(suite, "plot"):
+        return None
+    import matplotlib
+    matplotlib.use("Agg")  # files only: no display on benchmark machines
+    import matplotlib.pyplot as plt
+    fig = suite.plot(result)
+    png = results_path.with_suffix(".png")
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return png
+
+
+def replot_results(names: list[str]) -> int:
+    import importlib
+    import json
+    paths = [RESULTS_DIR / f"{n}.json" for n in names] if names else sorted(RESULTS_DIR.glob("*.json"))
+    for path in paths:
+        if not path.is_file():
+            print(f"perf: no results file {path}", file=sys.stderr)
+            return 2
+        result = json.loads(path.read_text())
+        suite = importlib.import_module(f".suites.{result['suite']}", __package__)
+        png = save_plot(suite, result, path)
+        print(f"{path.name}: {png if png else 'no plot for this suite'}")
     return 0
 
 
