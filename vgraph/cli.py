@@ -65,6 +65,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=["fp8"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: build the model from config.json with random weights, reading no "
+                        "weight files (for benchmarks)")
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (and no CUDA graphs)")
     p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
                    help="token counts compiled statically besides the dynamic shape")
@@ -116,7 +119,7 @@ def _llm_from_args(args: argparse.Namespace):
                block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=args.kv_cache_gib,
                device=args.device, seed=args.seed, quantization=args.quantization,
-               compile_config=compile_config)
+               compile_config=compile_config, load_format=args.load_format)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:

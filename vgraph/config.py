@@ -9,6 +9,8 @@ import torch
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
+LOAD_FORMATS = ("auto", "dummy")
+
 
 def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
     """Maps a user dtype ("auto" = the checkpoint's, fp32 if unknown) to a torch dtype."""
@@ -30,6 +32,15 @@ class ModelConfig:
     seed: int = 0
     tokenizer: Optional[str] = None  # default: the model directory
     revision: Optional[str] = None
+    # "auto": weights from the checkpoint's safetensors; "dummy": the model is built from
+    # config.json alone and its parameters filled with seeded random values on the device
+    # (no weights read: benchmarks of full-size shapes without multi-GB checkpoints).
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"unsupported load_format {self.load_format!r}; choose one of "
+                             f"{', '.join(LOAD_FORMATS)}")
 
 
 @dataclass

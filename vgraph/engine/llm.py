@@ -25,13 +25,15 @@ class LLM:
                  num_gpu_blocks: Optional[int] = None, cpu_kv_cache_gib: float = 1.0,
                  quantization: Optional[str] = None, tokenizer: Optional[str] = None,
                  seed: int = 0, device: str = "auto", max_logprobs: int = 20,
-                 compile_config: Optional[CompileConfig] = None, enforce_eager: bool = False) -> None:
+                 compile_config: Optional[CompileConfig] = None, enforce_eager: bool = False,
+                 load_format: str = "auto") -> None:
         compile_config = compile_config or CompileConfig()
         if enforce_eager:
             compile_config.level = "none"
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              quantization=quantization, seed=seed, tokenizer=tokenizer),
+                              quantization=quantization, seed=seed, tokenizer=tokenizer,
+                              load_format=load_format),
             cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                               gpu_memory_utilization=gpu_memory_utilization,
                               num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gib=cpu_kv_cache_gib),

@@ -21,7 +21,7 @@ from torch import nn
 
 from vgraph.config import ModelConfig, resolve_dtype
 
-from .quantization import Fp8Config, resolve_quantization
+from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, quantize_weight, resolve_quantization
 from .registry import get_model_class
 
 logger = logging.getLogger("vgraph")
@@ -139,7 +139,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
                use_custom_ops: bool = True) -> tuple[nn.Module, Any, LoadStats]:
     """Builds the model for ``model_config.model`` on ``device`` and loads its weights.
 
-    ``use_custom_ops=False`` builds norms and activations in plain torch (for Inductor to
+    With ``model_config.load_format == "dummy"`` no weights are read: the parameters are
+    filled in place with seeded random values (see :func:`init_dummy_weights`), so only
+    config.json is needed. ``use_custom_ops=False`` builds norms and activations in plain torch (for Inductor to
     generate). Quantization follows ``model_config.quantization`` unless the checkpoint is
     itself fp8, which then decides (see quantization.resolve_quantization); an unsupported
     value raises ValueError before anything is built.
@@ -152,16 +154,64 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
     model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len,
                       use_custom_ops=use_custom_ops, quant_config=quant)
-    model.load_weights(iterate_weights(path))
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, model_config.seed)
+    else:
+        model.load_weights(iterate_weights(path))
     model.eval()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     stats = LoadStats(weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                       load_seconds=time.perf_counter() - start)
-    logger.info("Loaded model %s (%s, %s%s): %s of weights in %.2f s", model_config.model,
+    dummy = ", dummy random weights" if model_config.load_format == "dummy" else ""
+    logger.info("Loaded model %s (%s, %s%s%s): %s of weights in %.2f s", model_config.model,
                 hf_config.architectures[0], str(dtype).removeprefix("torch."), _describe(quant),
-                format_bytes(stats.weights_bytes), stats.load_seconds)
+                dummy, format_bytes(stats.weights_bytes), stats.load_seconds)
     return model, hf_config, stats
+
+
+DUMMY_STD = 0.02  # transformers' default initializer_range
+DUMMY_FP8_INPUT_SCALE = 8.0 / 448  # static fp8: activations up to |8| fit the e4m3 range
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fills every parameter in place, on its device, with seeded random values: norm
+    weights ~ N(1, 0.02), everything else (embeddings, projections, biases) ~ N(0, 0.02).
+
+    For speed only the shapes and dtypes matter; the values are kept small and sane so a
+    forward stays finite. fp8 layers of a checkpoint stored in fp8 get a random weight
+    quantized per shard with its own ``weight_scale`` (amax / 448) and, for static
+    activations, ``input_scale`` = 8 / 448; a model quantized at load (``quantization="fp8"``
+    on a high-precision config) is filled in high precision and then quantized as after a
+    real load. The fused fp8 layers then settle their scales (``finalize``).
+    """
+    first = next(model.parameters())
+    gen = torch.Generator(device=first.device).manual_seed(seed)
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    own = {id(p) for m in fp8_layers for p in (m.weight, m.weight_scale, m.input_scale) if p is not None}
+    for name, param in model.named_parameters():
+        if id(param) in own:
+            continue
+        mean = 1.0 if name.endswith("norm.weight") else 0.0
+        param.data.normal_(mean, DUMMY_STD, generator=gen)
+    for layer in fp8_layers:
+        _init_dummy_fp8(layer, gen)
+    model._process_after_loading()
+
+
+def _init_dummy_fp8(layer: Fp8Linear, gen: torch.Generator) -> None:
+    """Random e4m3 weight (per shard for a fused layer, as a checkpoint stores it) and scales."""
+    shards = list(layer.shards.items()) if isinstance(layer, Fp8MergedLinear) else [(None, (0, layer.out_features))]
+    for index, (_, (start, size)) in enumerate(shards):
+        weight = torch.empty(size, layer.in_features, dtype=torch.float32, device=layer.weight.device)
+        weight.normal_(0.0, DUMMY_STD, generator=gen)
+        q, scale = quantize_weight(weight)
+        layer.weight.data.narrow(0, start, size).copy_(q)
+        layer.weight_scale.data.narrow(0, index, 1).copy_(scale)
+        del weight, q
+    if layer.input_scale is not None:
+        layer.input_scale.data.fill_(DUMMY_FP8_INPUT_SCALE)
 
 
 def _describe(quant: Optional[Fp8Config]) -> str:
