@@ -1,9 +1,11 @@
 """Attention rows of the op benchmark: a decode batch of ``tokens`` sequences.
 
-Variants: the plain-torch paged reference (one sequence at a time), on CPU the batched CPU
-kernel the engine runs, SDPA over K/V already
-gathered into a contiguous padded batch (what an unpaged runtime runs; it excludes the gather),
-and on CUDA the unified Triton kernel and the split-KV kernel.
+Variants: **torch_eager**, the plain-torch paged reference (one sequence at a time);
+**vgraph**, ``torch.ops.vgraph.paged_attention`` (the batched CPU kernel the engine runs on CPU,
+the unified Triton kernel on CUDA); CUDA only **vgraph_split_kv** (the split-KV decode kernel,
+8 splits); **sdpa_contiguous**, SDPA over K/V already gathered into a contiguous padded batch
+(what an unpaged runtime runs; it excludes the gather). Batches above ``MAX_SEQS`` sequences
+are skipped (the largest decode bucket; the reference's per-sequence loop makes them slow).
 """
 from __future__ import annotations
 
@@ -12,6 +14,19 @@ import torch.nn.functional as F
 
 from vgraph.ops.attention import gather_kv, paged_attention_reference
 from vgraph.ops.attention_batch import random_paged_batch
+
+
+MAX_SEQS = 256
+
+
+def describe(device: str) -> str:
+    kv_heads, group, head_dim = _heads(device)
+    return (f"paged decode attention, context {_context(device)}, {kv_heads} kv heads x {group} "
+            f"query heads each, head_dim {head_dim}, block 16; batches up to {MAX_SEQS} sequences")
+
+
+def _heads(device: str) -> tuple[int, int, int]:
+    return (8, 4, 128) if device == "cuda" else (2, 4, 64)
 
 
 def _context(device: str) -> int:
@@ -29,21 +44,19 @@ def _sdpa_inputs(batch, context: int):
 
 
 def families(tokens: int, dtype: torch.dtype, device: str) -> dict:
+    if tokens > MAX_SEQS:
+        return {}
     context = _context(device)
-    kv_heads, group, head_dim = (8, 4, 128) if device == "cuda" else (2, 4, 64)
+    kv_heads, group, head_dim = _heads(device)
     batch = random_paged_batch([(context, 1)] * tokens, kv_heads, group, head_dim, 16, dtype).to(device)
     q, k, v = _sdpa_inputs(batch, context)
     args = batch.args()
-    variants = {
-        "torch_eager": lambda: paged_attention_reference(*args),
-        "sdpa_contiguous": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
-    }
-    if device == "cpu":  # the batched CPU kernel the engine runs (ops/cpu_attention.py)
-        variants["vgraph_cpu_kernel"] = lambda: torch.ops.vgraph.paged_attention(*args)
+    vg = torch.ops.vgraph
+    variants = {"vgraph": lambda: vg.paged_attention(*args)}  # CPU: ops/cpu_attention.py
     if device == "cuda":
-        vg = torch.ops.vgraph
-        variants["triton"] = lambda: vg.paged_attention(*args)
-        variants["triton_split_kv"] = lambda: vg.paged_attention_decode_split_kv(
+        variants["vgraph_split_kv"] = lambda: vg.paged_attention_decode_split_kv(
             batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
             batch.softmax_scale, 8)
+    variants["torch_eager"] = lambda: paged_attention_reference(*args)
+    variants["sdpa_contiguous"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     return {f"paged_attention_decode_ctx{context}": variants}
