@@ -134,10 +134,16 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(f"pieces:         {c.pieces} ({c.compiled_pieces} compiled, {c.unique_piece_graphs} distinct graphs)")
     print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
     print(f"cache loads:    {c.cache_loads} in {c.cache_load_seconds:.2f} s; saves: {c.cache_saves}")
+    print(f"captured graph: {_captured_status(c.captured_graph)}")
     print(f"pass matches:   " + (", ".join(f"{k}={v}" for k, v in c.pass_matches.items()) or "none"))
     print(f"cache folder:   {cache.folder}")
     print(f"total:          {time.perf_counter() - start:.2f} s")
     return 0
+
+
+def _captured_status(state: str) -> str:
+    return {"saved": "saved (warm starts skip Dynamo)", "loaded": "loaded from the cache (Dynamo skipped)"}.get(
+        state, "not recorded (warm starts trace with Dynamo)")
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:

@@ -24,4 +24,4 @@ def test_200_steps_of_varying_batches_cause_no_recompile():
         steps += 1
     assert finished > 10 and next_id > 40
     counters = engine.compile_counters
-    assert counters.graphs_seen == 1 and counters.recompiles == 0
+    assert counters.graphs_seen <= 1 and counters.recompiles == 0  # 0: a warm start loaded the captured graph

@@ -93,7 +93,8 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     full_buckets = {b for path, b in runner.dispatch_counts if path is Path.FULL}
     assert len(full_buckets) >= 4, f"decode batches should cross several buckets, got {full_buckets}"
     assert any(path is Path.PIECEWISE for path, _ in runner.dispatch_counts)
-    assert engine.compile_counters.recompiles == 0 and engine.compile_counters.graphs_seen == 1
+    assert engine.compile_counters.recompiles == 0
+    assert engine.compile_counters.graphs_seen <= 1, "traced once (or not at all: a warm start)"
 
 
 def _warm_kv(llm, prompts, n):
@@ -142,7 +143,7 @@ def _copy(batch: FlatBatch) -> FlatBatch:
 
 
 def test_no_recompile_across_everything_above(llm):
-    assert llm.engine.compile_counters.graphs_seen == 1 and llm.engine.compile_counters.recompiles == 0
+    assert llm.engine.compile_counters.graphs_seen <= 1 and llm.engine.compile_counters.recompiles == 0
 
 
 def test_enforce_eager_turns_graphs_and_buckets_off():

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from tqdm.auto import tqdm
 
 from ..config import CompileConfig
+from . import captured
 from .cache import CompileCache
 from .counters import CompileCounters
 from .piece import PieceRunner, TokenDim, find_token_dim
@@ -65,9 +66,13 @@ class VgraphBackend:
         self.cache = cache
         self.counters = counters or CompileCounters()
         self._artifacts: dict[tuple[str, str], Callable] = {}
+        self._not_on_disk: set[tuple[str, str]] = set()
         self._graph_matches: dict[str, dict[str, int]] = {}  # piece hash -> pass -> matches
         self._inductor_pass = _RunEveryTime(post_grad_pass) if post_grad_pass is not None else None
         self.dynamo_started: Optional[float] = None  # set by the caller before tracing
+        # Set by the caller before tracing: the model and the call's tensors, to bind graph inputs.
+        self.capture_context: Optional[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = None
+        self.pending_capture: Optional[_PendingCapture] = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.dynamo_started is not None:
@@ -81,13 +86,89 @@ class VgraphBackend:
         real_by_fake: dict[int, torch.Tensor] = {}
         fake_args = [self._fake(a, fake_mode, real_by_fake) for a in example_inputs]
         symbol = _token_symbol(fake_args)
+        split_bytes = captured.stubbed_split_bytes(split, compiled) if self.capture_context else None
         bar = tqdm(total=len(compiled), desc="compiling pieces", unit="piece", leave=False)
         runner = _PieceCompiler(split, compiled, self, symbol, real_by_fake, bar)
         with fake_mode:
             runner.run(*fake_args)
         bar.close()
         self._record_pass_matches(runner.piece_hashes)
+        self._prepare_capture(split, split_bytes, example_inputs, runner.records, symbol)
         return split
+
+    def _prepare_capture(self, split: torch.fx.GraphModule, split_bytes: Optional[bytes],
+                         example_inputs: list, records: dict[str, captured.PieceRecord], symbol: Any) -> None:
+        """Keeps what a direct call of this graph needs, for ``adopt_capture`` to check and save."""
+        if split_bytes is None or self.capture_context is None:
+            return
+        model, call_inputs = self.capture_context
+        sources = captured.bind_inputs(example_inputs, model, call_inputs, symbol)
+        if sources is not None:
+            self.pending_capture = _PendingCapture(split, split_bytes, sources, records)
+
+    def adopt_capture(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                      reference: torch.Tensor) -> Optional[captured.CapturedForward]:
+        """After the first Dynamo call: the direct call if it reproduces Dynamo's output bit for
+        bit on the same inputs (saved for warm starts), else None (Dynamo's frame stays)."""
+        pending, self.pending_capture = self.pending_capture, None
+        if pending is None:
+            return None
+        direct = captured.CapturedForward(pending.split, pending.sources, model)
+        if not torch.equal(direct(input_ids, positions), reference):
+            logger.warning("the captured graph called directly differs from Dynamo's frame; "
+                           "keeping Dynamo (warm starts will trace again)")
+            return None
+        if self.config.use_cache:
+            self._save_capture(pending, captured.source_fingerprint(model))
+        return direct
+
+    def _save_capture(self, pending: "_PendingCapture", fingerprint: str) -> None:
+        try:
+            path = self.cache.captured_path(fingerprint)
+            if path is not None:
+                captured.save_record(path, pending.split_bytes, pending.sources, pending.records)
+                self.counters.captured_graph = "saved"
+        except OSError as exc:
+            logger.warning("could not save the captured graph (%s); warm starts will trace again", exc)
+
+    def load_capture(self, model: torch.nn.Module) -> Optional[captured.CapturedForward]:
+        """A warm start's forward without Dynamo: the captured graph and every piece's artifacts
+        from the cache; None when any of it is missing or unreadable."""
+        if not self.config.use_cache:
+            return None
+        start = time.perf_counter()
+        path = self.cache.find_captured(captured.source_fingerprint(model))
+        record = captured.load_record(path) if path is not None else None
+        if record is None:
+            return None
+        split = record["split"]
+        if not captured.install_pieces(split, record["pieces"], self._load_artifact):
+            logger.info("captured graph found but some artifacts are missing; tracing with Dynamo")
+            return None
+        hashes = [r.piece_hash for r in record["pieces"].values()]
+        c = self.counters
+        c.pieces = sum(1 for n in split.graph.nodes if n.op == "call_module")
+        c.compiled_pieces, c.unique_piece_graphs = len(hashes), len(set(hashes))
+        c.captured_graph, c.captured_load_seconds = "loaded", time.perf_counter() - start
+        self._record_pass_matches(hashes)
+        return captured.CapturedForward(split, record["sources"], model)
+
+    def _load_artifact(self, piece_hash: str, label: str) -> Optional[Callable]:
+        """One (piece, size) artifact from memory or disk; a missing or unreadable entry is
+        remembered, so the fallback compiles it instead of reading (and warning) again."""
+        key = (piece_hash, label)
+        if key in self._artifacts or key in self._not_on_disk:
+            return self._artifacts.get(key)
+        start = time.perf_counter()
+        loaded = self.cache.load(piece_hash, label)
+        self.counters.cache_errors += self.cache.take_errors()
+        if loaded is None:
+            self._not_on_disk.add(key)
+            return None
+        self.counters.cache_loads += 1
+        self.counters.cache_load_seconds += time.perf_counter() - start
+        self._artifacts[key] = loaded
+        return loaded
 
     def _record_pass_matches(self, piece_hashes: list[str]) -> None:
         """Matches per site in the model: each compiled piece counts the matches of its graph,
@@ -120,14 +201,10 @@ class VgraphBackend:
         key = (piece_hash, label)
         if key in self._artifacts:
             return self._artifacts[key]
-        start = time.perf_counter()
-        loaded = self.cache.load(piece_hash, label) if self.config.use_cache else None
-        self.counters.cache_errors += self.cache.take_errors()
+        loaded = self._load_artifact(piece_hash, label) if self.config.use_cache else None
         if loaded is not None:
-            self.counters.cache_loads += 1
-            self.counters.cache_load_seconds += time.perf_counter() - start
-            self._artifacts[key] = loaded
             return loaded
+        start = time.perf_counter()
         example = args if size is None else _concrete_args(args, size, symbol, real_by_fake)
         if example is None:
             return None
@@ -148,6 +225,14 @@ class VgraphBackend:
         mode = "from_tracing_context" if dynamic else "from_example_inputs"
         return torch._inductor.standalone_compile(module, example, dynamic_shapes=mode,
                                                   options={"config_patches": patches})
+
+
+class _PendingCapture:
+    """The cold start's graph, bound and stubbed, waiting for the bit-exactness check."""
+
+    def __init__(self, split: torch.fx.GraphModule, split_bytes: bytes, sources: list,
+                 records: dict[str, captured.PieceRecord]) -> None:
+        self.split, self.split_bytes, self.sources, self.records = split, split_bytes, sources, records
 
 
 class _RunEveryTime(CustomGraphPass):
@@ -220,6 +305,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.symbol, self.real_by_fake, self.bar = symbol, real_by_fake, bar
         self.unique: set[str] = set()
         self.piece_hashes: list[str] = []
+        self.records: dict[str, captured.PieceRecord] = {}
 
     def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
         out = super().call_module(target, args, kwargs)
@@ -241,5 +327,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             if art is not None:
                 static[size] = art
         token_dim: Optional[TokenDim] = find_token_dim(args, self.symbol)
-        setattr(self.split, target, PieceRunner(dynamic, static, token_dim, not isinstance(out, (tuple, list))))
+        single = not isinstance(out, (tuple, list))
+        self.records[target] = captured.PieceRecord(piece_hash, tuple(static), token_dim, single)
+        setattr(self.split, target, PieceRunner(dynamic, static, token_dim, single))
         self.bar.update(1)

@@ -101,6 +101,25 @@ class CompileCache:
             _remove_quietly(locals().get("tmp"))
             return False
 
+    def captured_path(self, source_fingerprint: str) -> Optional[Path]:
+        """Where this graph's captured record goes (see captured.py); None without a cache."""
+        if self.folder is None or not self._writable:
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        return self.folder / f"captured-{source_fingerprint}.pkl"
+
+    def find_captured(self, source_fingerprint: str) -> Optional[Path]:
+        """A warm start's captured record for this config and source, binding its graph folder
+        (the graph hash is not known without tracing); the newest if several match."""
+        if self.root is None:
+            return None
+        found = list((self.root / "compile").glob(f"{self.config_key}-*/captured-{source_fingerprint}.pkl"))
+        if not found:
+            return None
+        path = max(found, key=lambda p: p.stat().st_mtime)
+        self.folder = path.parent
+        return path
+
     def write_pass_matches(self, matches: dict[str, dict[str, int]]) -> None:
         """Pass matches per piece graph from the cold compile, for warm starts (which run no pass)."""
         if self.folder is None or not self._writable:

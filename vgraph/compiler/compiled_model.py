@@ -1,13 +1,17 @@
 """The model's forward under ``torch.compile`` with vgraph's backend.
 
-Dynamo traces ``forward(input_ids, positions)`` once with the token dimension dynamic. After
-that first trace, calls skip guard evaluation (the compiled code serves every token count)
-and a recompile raises instead of silently compiling again: during serving it is a bug.
+Dynamo traces ``forward(input_ids, positions)`` once with the token dimension dynamic. The
+traced, split graph is then called directly (captured.py), with no Dynamo frame in between,
+once it has reproduced Dynamo's output exactly; a warm start loads that graph from the compile
+cache and runs no Dynamo at all. If the graph cannot be called directly, calls go through
+Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
+a recompile raises instead of silently compiling again: during serving it is a bug.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import torch
 
@@ -37,6 +41,7 @@ class CompiledForward:
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _ENGINES_PER_PROCESS)
         self._compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
         self.traced = False
+        self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[0]
@@ -44,15 +49,24 @@ class CompiledForward:
             pad = _MIN_TOKENS - n
             input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
             positions = torch.cat([positions, positions.new_zeros(pad)])
+        if self._direct is not None:
+            return self._direct(input_ids, positions)[:n]
         if not self.traced:
             return self._first_call(input_ids, positions)[:n]
         with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
             return self._compiled(input_ids, positions)[:n]
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self._direct = self.backend.load_capture(self.model)
+        if self._direct is not None:
+            self.traced = True
+            return self._direct(input_ids, positions)
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         self.backend.dynamo_started = time.perf_counter()
+        self.backend.capture_context = (self.model, {"input_ids": input_ids, "positions": positions})
         out = self._compiled(input_ids, positions)
+        self.backend.capture_context = None
         self.traced = True
+        self._direct = self.backend.adopt_capture(self.model, input_ids, positions, out)
         return out

@@ -17,6 +17,8 @@ class CompileCounters:
     dynamo_seconds: float = 0.0
     inductor_seconds: float = 0.0
     cache_load_seconds: float = 0.0
+    captured_graph: str = ""  # "saved" (cold start) or "loaded" (warm start: no Dynamo ran)
+    captured_load_seconds: float = 0.0  # the warm start's whole graph + artifact load
     pass_matches: dict[str, int] = field(default_factory=dict)
 
     @property

@@ -50,11 +50,17 @@ def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_conf
 
 def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds: float) -> None:
     c = counters
-    logger.info("compiled %d pieces (%d compiled, %d distinct) in %.2f s: Dynamo %.2f s, "
-                "Inductor %.2f s (%d compilations), cache %d loads (%.2f s), %d saves",
-                c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
-                c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
-                c.cache_saves)
+    if c.captured_graph == "loaded":
+        logger.info("loaded the compiled model from the cache in %.2f s (%d pieces, %d compiled, %d distinct): "
+                    "captured graph and %d artifacts in %.2f s, no Dynamo trace, no Inductor compilation",
+                    seconds, c.pieces, c.compiled_pieces, c.unique_piece_graphs, c.cache_loads,
+                    c.captured_load_seconds)
+    else:
+        logger.info("compiled %d pieces (%d compiled, %d distinct) in %.2f s: Dynamo %.2f s, "
+                    "Inductor %.2f s (%d compilations), cache %d loads (%.2f s), %d saves",
+                    c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
+                    c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
+                    c.cache_saves)
     if c.pass_matches:
         logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
     if cache.folder is not None:

@@ -1,0 +1,169 @@
+"""The captured graph on disk, so that a warm start runs no Dynamo at all.
+
+Why: with every piece's code in the compile cache, Dynamo re-tracing the model's Python was
+the largest part of a warm start (about 1.2 s for 8 layers, growing with depth), only to
+rebuild a graph that cannot have changed: the cache key covers the model config, dtype,
+versions and compile config, and ``source_fingerprint`` covers the code Dynamo traces. What a
+call needs is the split graph (top-level glue plus the attention submodules; compiled pieces
+are stubs filled from the artifact cache) and where each graph input comes from: a model
+parameter or buffer by name, ``input_ids``, ``positions``, or the token count.
+
+The cold start builds this record from the graph Dynamo hands the backend, checks that calling
+it directly gives bit-identical output to Dynamo's compiled frame, and only then saves it and
+switches to it, so cold and warm starts run the same direct call at serving time. Anything it
+cannot account for (an input that is neither model state nor an argument) means no record:
+warm starts then trace with Dynamo, as before.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from .piece import PieceRunner, TokenDim
+
+logger = logging.getLogger("vgraph")
+
+RECORD_FORMAT = 1
+STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """Where one graph input comes from at call time."""
+
+    kind: str  # STATE, INPUT_IDS, POSITIONS or NUM_TOKENS
+    name: str = ""  # the parameter or buffer name for STATE
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    """What it takes to rebuild one compiled piece's runner from the artifact cache."""
+
+    piece_hash: str
+    sizes: tuple[int, ...]  # compile sizes with their own artifact
+    token_dim: Optional[TokenDim]
+    single_output: bool
+
+
+def source_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of the code Dynamo traces: the source files of the model's module classes and of
+    vgraph's ops. An edit to any of them means a new trace, not a stale graph."""
+    import vgraph.ops
+    files = {inspect.getsourcefile(type(m)) for m in model.modules()}
+    files |= {str(p) for p in Path(vgraph.ops.__file__).parent.glob("*.py")}
+    digest = hashlib.sha256()
+    for path in sorted(f for f in files if f):
+        digest.update(path.encode())
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def bind_inputs(example_inputs: list, model: torch.nn.Module, call_inputs: dict[str, torch.Tensor],
+                token_symbol: Any) -> Optional[list[InputSource]]:
+    """Each graph input's source, found by identity (a SymInt by its symbol: converting it to
+    an int would specialize the graph); None if any input is unaccounted for."""
+    state = {id(t): name for name, t in model.named_parameters(remove_duplicate=False)}
+    state.update({id(t): name for name, t in model.named_buffers(remove_duplicate=False)})
+    calls = {id(t): name for name, t in call_inputs.items()}
+    num_tokens = call_inputs[INPUT_IDS].shape[0]
+    sources = []
+    for arg in example_inputs:
+        if isinstance(arg, torch.Tensor) and id(arg) in calls:
+            sources.append(InputSource(calls[id(arg)]))
+        elif isinstance(arg, torch.Tensor) and id(arg) in state:
+            sources.append(InputSource(STATE, state[id(arg)]))
+        elif isinstance(arg, torch.SymInt) and token_symbol is not None and arg.node.expr == token_symbol:
+            sources.append(InputSource(NUM_TOKENS))
+        elif type(arg) is int and arg == num_tokens and token_symbol is None:
+            sources.append(InputSource(NUM_TOKENS))
+        else:
+            logger.info("captured graph not recorded: graph input %s is neither model state nor an "
+                        "argument; warm starts will trace with Dynamo", type(arg).__name__)
+            return None
+    return sources
+
+
+class CapturedForward:
+    """Calls the split graph directly: the inputs gathered from the model and the arguments,
+    the single output returned. What Dynamo's compiled frame does, minus the frame."""
+
+    def __init__(self, split: torch.nn.Module, sources: list[InputSource], model: torch.nn.Module) -> None:
+        self.split = split
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(model.named_buffers(remove_duplicate=False))
+        self._getters: list[Callable[[torch.Tensor, torch.Tensor], Any]] = [
+            _getter(s, state) for s in sources]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.split(*[get(input_ids, positions) for get in self._getters])
+        return out[0]
+
+
+def _getter(source: InputSource, state: dict[str, torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    if source.kind == STATE:
+        tensor = state[source.name]
+        return lambda ids, pos: tensor
+    if source.kind == INPUT_IDS:
+        return lambda ids, pos: ids
+    if source.kind == POSITIONS:
+        return lambda ids, pos: pos
+    if source.kind == NUM_TOKENS:
+        return lambda ids, pos: ids.shape[0]
+    raise ValueError(f"unknown captured-graph input kind {source.kind!r}")
+
+
+def stubbed_split_bytes(split: torch.fx.GraphModule, compiled: set[str]) -> bytes:
+    """The split graph pickled with its compiled pieces replaced by empty modules (their code
+    lives in the artifact cache): only the glue and the attention submodules are rebuilt on load."""
+    originals = {name: getattr(split, name) for name in compiled}
+    try:
+        for name in compiled:
+            setattr(split, name, torch.nn.Module())
+        return pickle.dumps(split)
+    finally:
+        for name, module in originals.items():
+            setattr(split, name, module)
+
+
+def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], pieces: dict[str, PieceRecord]) -> None:
+    payload = {"format": RECORD_FORMAT, "torch": torch.__version__, "split": split_bytes,
+               "sources": sources, "pieces": pieces}
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(pickle.dumps(payload))
+    tmp.replace(path)
+
+
+def load_record(path: Path) -> Optional[dict]:
+    """The record, or None (with a warning) if it is unreadable or from another format."""
+    try:
+        payload = pickle.loads(path.read_bytes())
+        if payload.get("format") != RECORD_FORMAT or payload.get("torch") != torch.__version__:
+            return None
+        payload["split"] = pickle.loads(payload["split"])
+        return payload
+    except Exception as exc:  # truncated, foreign or stale: trace again, never crash
+        logger.warning("captured graph %s is unreadable (%s: %s); tracing with Dynamo", path,
+                       type(exc).__name__, exc)
+        return None
+
+
+def install_pieces(split: torch.nn.Module, pieces: dict[str, PieceRecord],
+                   load: Callable[[str, str], Optional[Callable]]) -> bool:
+    """Puts a runner in place of each stubbed piece; False if an artifact is missing."""
+    runners = {}
+    for name, rec in pieces.items():
+        dynamic = load(rec.piece_hash, "dynamic")
+        static = {size: load(rec.piece_hash, str(size)) for size in rec.sizes}
+        if dynamic is None or any(v is None for v in static.values()):
+            return False
+        runners[name] = PieceRunner(dynamic, static, rec.token_dim, rec.single_output)
+    for name, runner in runners.items():
+        setattr(split, name, runner)
+    return True
