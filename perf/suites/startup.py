@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Optional
 
 TARGET_COMPILE_PHASE_RATIO = 5.0  # the issue: warm start >= 5x faster than cold in the compile phase
 CHILD_TIMEOUT_S = 300
@@ -40,6 +40,9 @@ _KV = re.compile(r"KV cache: (\d+) blocks")
 _COMPILED = re.compile(
     r"compiled (\d+) pieces \((\d+) compiled, (\d+) distinct\) in ([\d.]+) s: Dynamo ([\d.]+) s, "
     r"Inductor ([\d.]+) s \((\d+) compilations\), cache (\d+) loads \(([\d.]+) s\), (\d+) saves")
+_LOADED_CAPTURED = re.compile(
+    r"loaded the compiled model from the cache in ([\d.]+) s \((\d+) pieces, (\d+) compiled, (\d+) distinct\): "
+    r"captured graph and (\d+) artifacts in ([\d.]+) s")
 _READY = re.compile(r"engine ready in ([\d.]+) s")
 _MATCHES = re.compile(r"pass matches: (.*)$")
 
@@ -84,6 +87,13 @@ def parse_phases(lines: list[tuple[float, str]], exit_s: float) -> dict:
             for k, v in zip(keys, m.groups()):
                 out[k] = float(v) if "." in v else int(v)
             out["compiled_at_s"] = at
+        elif (m := _LOADED_CAPTURED.search(text)):
+            # A warm start with the captured graph: no Dynamo, no Inductor; the load is the phase.
+            compile_s, pieces, compiled, distinct, loads, load_s = m.groups()
+            out.update({"compile_s": float(compile_s), "pieces": int(pieces), "compiled_pieces": int(compiled),
+                        "distinct": int(distinct), "dynamo_s": 0.0, "inductor_s": 0.0, "inductor_compilations": 0,
+                        "cache_loads": int(loads), "cache_load_s": float(load_s), "cache_saves": 0,
+                        "captured_graph_loaded": True, "compiled_at_s": at})
         elif (m := _MATCHES.search(text)):
             out["pass_matches"] = m.group(1)
         elif (m := _READY.search(text)):
@@ -212,3 +222,32 @@ def summarize(result: dict) -> str:
     lines.append(f"target: compile phase warm >= {t['compile_phase_ratio']:.0f}x faster than cold: "
                  f"{'met' if t['met'] else 'NOT met'} ({t['measured']:.2f}x)")
     return "\n".join(lines)
+
+
+PHASES = (("before_engine_s", "imports"), ("load_s", "weight load"), ("kv_cache_s", "KV cache"),
+          ("dynamo_s", "Dynamo"), ("inductor_s", "Inductor"), ("cache_load_s", "cache load"),
+          ("compile_other_s", "warm-up forward + setup"), ("generate_s", "first token"))
+
+
+def plot(result: dict) -> Any:
+    """Median time to first token per variant, stacked by phase."""
+    import matplotlib.pyplot as plt
+
+    names = [n for n in ("cold", "warm", "warm_vgraph_only", "eager") if n in result["medians"]]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    left = [0.0] * len(names)
+    for key, label in PHASES:
+        widths = [max(result["medians"][n].get(key, 0.0), 0.0) for n in names]
+        ax.barh(names, widths, left=left, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    for i, n in enumerate(names):
+        ax.annotate(f"{result['medians'][n]['first_token_at_s']:.1f} s", (left[i], i), xytext=(3, -3),
+                    textcoords="offset points", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from process start")
+    t, machine = result["target"], result.get("machine", {})
+    ax.set_title(f"startup to first token; compile phase cold/warm {t['measured']:.1f}x "
+                 f"(target {t['compile_phase_ratio']:.0f}x) ({machine.get('device', '?')}, "
+                 f"{machine.get('date', '')[:10]})", fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, -0.42))
+    return fig
