@@ -1,5 +1,6 @@
-"""Serving latency: time to first token and inter-token latency (p50/p99) at 1, 8 and 32
-concurrent streams, from an HTTP load generator against a real ``vgraph serve`` process.
+"""Serving latency and throughput: TTFT, TPOT, ITL and end-to-end latency (p50/p90/p99) and
+request throughput, from an HTTP load generator against a real ``vgraph serve`` process, at
+fixed concurrency levels (closed loop) and at Poisson arrival rates (open loop).
 
 Why this shape: what a user of the server feels is the latency of its HTTP stream, which
 includes everything the engine's own timers do not see (the event loop, SSE framing, the
@@ -8,16 +9,30 @@ server runs as a separate process started the way a user starts it (``vgraph ser
 demo model, compiled by default, and ``--enforce-eager`` for reference), and the client here
 speaks plain HTTP with ``httpx``, timestamping each SSE event as it arrives.
 
-Workload per concurrency level C: a closed loop of C workers, each sending streaming
-``/v1/completions`` requests back to back until ``2 * C`` requests (at least 8) have finished;
-distinct prompts of ~48 tokens (so the prefix cache does not shortcut prefills), greedy,
-``ignore_eos``, a fixed number of new tokens. Requests ask for ``logprobs: 0``: every generated
-token is then reported in some event even when it completes no printable character (the
-untrained demo model produces many partial UTF-8 sequences), so events map to tokens.
+Every request: a streaming ``/v1/completions`` with a distinct prompt of ~48 tokens (so the
+prefix cache does not shortcut prefills), greedy, ``ignore_eos``, a fixed number of new tokens.
+Requests ask for ``logprobs: 0``: every generated token is then reported in some event even when
+it completes no printable character (the untrained demo model produces many partial UTF-8
+sequences), so events map to tokens.
 
+Two workloads per server:
+- closed loop at concurrency C in ``CONCURRENCY``: C workers send requests back to back until
+  ``max(32, 4C)`` have finished. Its request throughput at the largest C is the server's
+  measured capacity.
+- open loop (Poisson): requests are sent at exponential inter-arrival times (seed
+  ``POISSON_SEED``), each as its own asyncio task launched on schedule whether or not earlier
+  ones finished, so a slow server meets a growing queue as it would with real users (a closed
+  loop instead slows its arrivals down with the server). Rates are ``RATE_FRACTIONS`` of the
+  compiled server's capacity, rounded, and the eager server gets the same rates.
+
+Metrics, per request unless said otherwise:
 - TTFT: request sent -> first event carrying a token.
-- ITL: gaps between successive token-carrying events of a stream; an event carrying k tokens
-  (the server coalesces when the client falls behind) counts as k samples of gap / k.
+- E2E: request sent -> end of the response stream.
+- TPOT: ``(E2E - TTFT) / (tokens - 1)``, the mean time per output token after the first.
+- ITL (per token): gaps between successive token-carrying events of a stream; an event carrying
+  k tokens (the server coalesces when the client falls behind) counts as k samples of gap / k.
+- request throughput: finished requests / (first send -> last response end); output token
+  throughput likewise. Open loop also: the achieved send rate and how late the client sent.
 - Server-side means (from ``/metrics`` histogram sums, same requests) are reported alongside,
   so the HTTP overhead is visible as the difference.
 
@@ -27,8 +42,10 @@ before and after is stored in the results so a noisy run can be recognized and r
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -36,11 +53,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 
 import httpx
 
 CONCURRENCY = (1, 8, 32)
+RATE_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+POISSON_SEED = 0
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2e")
 PROMPT_WORDS = ("river", "bread", "village", "morning", "engine", "garden", "window", "market", "winter",
                 "bridge", "library", "summer", "castle", "forest", "number", "letter")
 STARTUP_TIMEOUT_S = 600
@@ -68,9 +89,11 @@ def _percentile(values: list[float], q: float) -> Optional[float]:
 
 
 def _stats_ms(values: list[float]) -> dict[str, Optional[float]]:
+    """p50/p90/p99/mean in ms; with n samples, p99 is the maximum until n >= 100."""
     scaled = [v * 1e3 for v in values]
-    return {"p50": _percentile(scaled, 50), "p99": _percentile(scaled, 99),
-            "mean": statistics.fmean(scaled) if scaled else None, "samples": len(scaled)}
+    out: dict[str, Optional[float]] = {f"p{q}": _percentile(scaled, q) for q in PERCENTILES}
+    out.update(mean=statistics.fmean(scaled) if scaled else None, samples=len(scaled))
+    return out
 
 
 class ServerUnderTest:
@@ -126,7 +149,10 @@ class ServerUnderTest:
             return f.read()[-4000:]
 
 
-async def _one_stream(client: httpx.AsyncClient, url: str, index: int, max_tokens: int) -> dict[str, Any]:
+async def _one_stream(client: httpx.AsyncClient, url: str, index: int, max_tokens: int,
+                      scheduled: Optional[float] = None) -> dict[str, Any]:
+    """One streamed request, timed from inside its task, so an open-loop request that the event
+    loop started late is timed from its real send (the lateness is kept separately)."""
     body = {"model": "demo-model-v1", "prompt": _prompt(index), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "logprobs": 0, "stream": True}
     sent = time.perf_counter()
@@ -151,31 +177,88 @@ async def _one_stream(client: httpx.AsyncClient, url: str, index: int, max_token
             else:
                 gaps.extend([(now - last) / new] * new)
             last = now
+    done = time.perf_counter()
     if tokens != max_tokens:
         raise RuntimeError(f"request {index} streamed {tokens} tokens, expected {max_tokens}")
-    return {"ttft": first - sent, "gaps": gaps, "tokens": tokens, "events": events, "e2e": last - sent}
+    return {"sent": sent, "done": done, "ttft": first - sent, "e2e": done - sent, "gaps": gaps,
+            "tpot": (done - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens, "events": events,
+            "late": sent - scheduled if scheduled is not None else None}
 
 
-async def _level(url: str, concurrency: int, num_requests: int, max_tokens: int, offset: int) -> dict[str, Any]:
+def _client(connections: Optional[int]) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=600, limits=limits)
+
+
+def _ms(seconds: Optional[float]) -> Optional[float]:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def _level_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Percentiles, throughputs and the raw per-request samples (per-token gaps only as each
+    request's max: all of them would make the results file ~10x larger)."""
+    start = min(r["sent"] for r in records)
+    wall = max(r["done"] for r in records) - start
+    tokens = sum(r["tokens"] for r in records)
+    out: dict[str, Any] = {"requests": len(records), "wall_s": wall, "request_throughput": len(records) / wall,
+                           "output_tokens_per_s": tokens / wall,
+                           "tokens_per_event": tokens / max(1, sum(r["events"] for r in records))}
+    for m in METRICS:
+        values = [g for r in records for g in r["gaps"]] if m == "itl" else [r[m] for r in records]
+        out[f"{m}_ms"] = _stats_ms([v for v in values if v is not None])
+    ordered = sorted(records, key=lambda r: r["sent"])
+    out["samples"] = {"sent_at_s": [round(r["sent"] - start, 4) for r in ordered],
+                      **{f"{m}_ms": [_ms(r[m]) for r in ordered] for m in ("ttft", "tpot", "e2e")},
+                      "itl_max_ms": [_ms(max(r["gaps"], default=None)) for r in ordered]}
+    return out
+
+
+async def _closed_level(url: str, concurrency: int, num_requests: int, max_tokens: int,
+                        offset: int) -> dict[str, Any]:
     """A closed loop of ``concurrency`` workers until ``num_requests`` streams have finished."""
-    results: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
     counter = iter(range(num_requests))
 
     async def worker(client: httpx.AsyncClient) -> None:
         for i in counter:
-            results.append(await _one_stream(client, url, offset + i, max_tokens))
+            records.append(await _one_stream(client, url, offset + i, max_tokens))
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with _client(concurrency) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    tokens = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "max_tokens": max_tokens, "wall_s": wall,
-            "output_tokens_per_s": tokens / wall, "ttft_ms": _stats_ms([r["ttft"] for r in results]),
-            "itl_ms": _stats_ms([g for r in results for g in r["gaps"]]),
-            "e2e_ms": _stats_ms([r["e2e"] for r in results]),
-            "tokens_per_event": tokens / max(1, sum(r["events"] for r in results))}
+    return {"concurrency": concurrency, "max_tokens": max_tokens, **_level_stats(records)}
+
+
+def _poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:
+    """Send times (s from the first send): exponential gaps rescaled to sum to (n - 1) / rate.
+
+    That is a Poisson process conditioned on its n arrivals spanning exactly that time, so the
+    schedule's mean rate is the nominal one (unscaled, 128 draws miss it by ~9% at one sigma;
+    seed 0 sends 14% slower). The same seed at every rate gives the same burst pattern, scaled,
+    so rates differ only in load."""
+    rng = random.Random(seed)
+    gaps = [rng.expovariate(1.0) for _ in range(num_requests - 1)]
+    scale = (num_requests - 1) / rate / sum(gaps) if gaps else 0.0
+    return list(itertools.accumulate([0.0] + [g * scale for g in gaps]))
+
+
+async def _poisson_level(url: str, rate: float, num_requests: int, max_tokens: int,
+                         offset: int) -> dict[str, Any]:
+    """Open loop: each request is a task started at its arrival time, independent of completions."""
+    arrivals = _poisson_arrivals(rate, num_requests, POISSON_SEED)
+    async with _client(None) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i, at in enumerate(arrivals):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(_one_stream(client, url, offset + i, max_tokens, start + at)))
+        records = await asyncio.gather(*tasks)
+    stats = _level_stats(records)
+    sends = sorted(r["sent"] for r in records)
+    late = [r["late"] * 1e3 for r in records]
+    return {"rate": rate, "max_tokens": max_tokens, "seed": POISSON_SEED,
+            "achieved_rate": (len(sends) - 1) / (sends[-1] - sends[0]) if len(sends) > 1 else None,
+            "send_late_ms": {"mean": statistics.fmean(late), "max": max(late)},
+            **stats, "samples": {**stats["samples"], "late_ms": [round(v, 3) for v in late]}}
 
 
 def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, Optional[float]]:
@@ -190,52 +273,153 @@ def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     return out
 
 
-def _serve_variant(device: str, eager: bool, quick: bool) -> dict[str, Any]:
+def _measured(server: ServerUnderTest, level: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Runs one level and adds the engine's own means over exactly its requests."""
+    before = server.metrics()
+    result = asyncio.run(level)
+    result.update(_server_means(before, server.metrics()))
+    return result
+
+
+def poisson_rates(capacity: float) -> list[float]:
+    """``RATE_FRACTIONS`` of the measured capacity (req/s), to two significant digits."""
+    return [float(f"{capacity * f:.2g}") for f in RATE_FRACTIONS]
+
+
+def _serve_variant(device: str, eager: bool, quick: bool, rates: Optional[list[float]]) -> dict[str, Any]:
+    """Both workloads against one server; ``rates`` None means derive them from this server."""
     max_tokens = 16 if quick else 64
     server = ServerUnderTest(device, eager, max_num_seqs=max(CONCURRENCY))
     try:
         startup = server.wait_ready()
-        asyncio.run(_level(server.url, 4, 8, 8, offset=10_000))  # warm-up: first-request effects
-        levels = []
-        offset = 0
-        for concurrency in CONCURRENCY:
-            num_requests = concurrency if quick else max(8, 2 * concurrency)
-            before = server.metrics()
-            level = asyncio.run(_level(server.url, concurrency, num_requests, max_tokens, offset))
-            level.update(_server_means(before, server.metrics()))
-            levels.append(level)
-            offset += num_requests
+        asyncio.run(_closed_level(server.url, 4, 8, 8, offset=10_000))  # warm-up: first-request effects
+        closed, offset = [], 0
+        for c in CONCURRENCY:
+            n = c if quick else max(32, 4 * c)
+            closed.append(_measured(server, _closed_level(server.url, c, n, max_tokens, offset)))
+            offset += n
+        rates = rates or poisson_rates(closed[-1]["request_throughput"])
+        poisson = []
+        for rate in rates:
+            n = 16 if quick else 128
+            poisson.append(_measured(server, _poisson_level(server.url, rate, n, max_tokens, offset)))
+            offset += n
     finally:
         exit_code = server.stop()
-    return {"startup_to_ready_s": startup, "exit_code_after_sigterm": exit_code, "levels": levels}
+    return {"startup_to_ready_s": startup, "exit_code_after_sigterm": exit_code, "levels": closed,
+            "poisson": poisson}
 
 
 def run(device: str, quick: bool = False) -> dict:
-    load_before = os.getloadavg()
-    variants = {"compiled": _serve_variant(device, eager=False, quick=quick)}
+    from .compile import git_state
+    load_before, git = os.getloadavg(), git_state()
+    variants = {"compiled": _serve_variant(device, eager=False, quick=quick, rates=None)}
+    rates = [p["rate"] for p in variants["compiled"]["poisson"]]
     if not quick:
-        variants["eager"] = _serve_variant(device, eager=True, quick=quick)
+        variants["eager"] = _serve_variant(device, eager=True, quick=quick, rates=rates)
     return {"suite": "serving",
             "config": {"model": "demo model (vgraph.models.demo, served as demo-model-v1)",
                        "concurrency": list(CONCURRENCY), "max_tokens": 16 if quick else 64,
-                       "requests_per_level": "C" if quick else "max(8, 2C)", "prompt_tokens": "~48, distinct",
+                       "requests_per_level": "C" if quick else "max(32, 4C)", "prompt_tokens": "~48, distinct",
+                       "poisson": {"rates_req_per_s": rates, "fractions_of_capacity": list(RATE_FRACTIONS),
+                                   "capacity": "compiled request throughput at the largest concurrency",
+                                   "requests_per_rate": 16 if quick else 128, "seed": POISSON_SEED},
                        "server_flags": "--max-num-seqs 32 --kv-cache-gib 0.25 (+ --enforce-eager for eager)",
+                       "server_omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "git": git,
                        "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
             "variants": variants}
 
 
-def summarize(result: dict) -> str:
-    def fmt(v: Optional[float]) -> str:
-        return f"{v:8.1f}" if v is not None else "       -"
+def _fmt3(stats: dict[str, Optional[float]]) -> str:
+    return " ".join(f"{stats[f'p{q}']:6.1f}" if stats[f"p{q}"] is not None else "     -" for q in PERCENTILES)
 
-    lines = ["variant   conc  reqs  TTFT p50  TTFT p99   ITL p50   ITL p99  tok/s  srv TTFT  srv ITL  tok/event"]
+
+def _metric_cols(lv: dict[str, Any]) -> str:
+    return " | ".join(_fmt3(lv[f"{m}_ms"]) for m in METRICS)
+
+
+def summarize(result: dict) -> str:
+    """Two tables (closed loop, Poisson), each metric as p50 p90 p99 in ms."""
+    head = " | ".join(f"{m.upper():>4s} p50    p90    p99" for m in METRICS)
+    lines = [f"closed loop       conc reqs | {head} | req/s  tok/s | srvTTFT srvITL"]
     for name, variant in result["variants"].items():
         for lv in variant["levels"]:
-            lines.append(f"{name:9s} {lv['concurrency']:4d} {lv['requests']:5d}  {fmt(lv['ttft_ms']['p50'])}  "
-                         f"{fmt(lv['ttft_ms']['p99'])}  {fmt(lv['itl_ms']['p50'])}  {fmt(lv['itl_ms']['p99'])} "
-                         f"{lv['output_tokens_per_s']:6.0f}  {fmt(lv['server_ttft_mean_ms'])} "
-                         f"{fmt(lv['server_itl_mean_ms'])}  {lv['tokens_per_event']:6.2f}")
-        lines.append(f"{name:9s} startup to ready {variant['startup_to_ready_s']:.1f} s; "
+            lines.append(f"{name:9s}         {lv['concurrency']:4d} {lv['requests']:4d} | {_metric_cols(lv)} | "
+                         f"{lv['request_throughput']:5.2f} {lv['output_tokens_per_s']:6.0f} | "
+                         f"{lv['server_ttft_mean_ms'] or 0:7.1f} {lv['server_itl_mean_ms'] or 0:6.1f}")
+    lines.append(f"poisson  rate  sent reqs | {head} | req/s  tok/s | maxlate")
+    for name, variant in result["variants"].items():
+        for lv in variant.get("poisson", []):
+            lines.append(f"{name:9s}{lv['rate']:5.1f} {lv['achieved_rate'] or 0:5.1f} {lv['requests']:4d} | "
+                         f"{_metric_cols(lv)} | {lv['request_throughput']:5.2f} {lv['output_tokens_per_s']:6.0f} | "
+                         f"{lv['send_late_ms']['max']:7.1f}")
+    for name, variant in result["variants"].items():
+        lines.append(f"{name}: startup to ready {variant['startup_to_ready_s']:.1f} s; "
                      f"exit code after SIGTERM {variant['exit_code_after_sigterm']}")
-    lines.append("(ms; TTFT/ITL measured by the HTTP client, srv = engine-side means from /metrics)")
+    lines.append("(ms, measured by the HTTP client; req/s and tok/s over first send -> last response end; "
+                 "sent = achieved send rate; srv = engine-side means from /metrics; maxlate = latest client send)")
     return "\n".join(lines)
+
+
+def _latency_panel(ax, result: dict, section: str, xkey: str, metric: str) -> None:
+    """p50 solid with markers, p90 dashed, p99 dotted; one colour per variant."""
+    for color, (name, variant) in zip(("tab:blue", "tab:orange"), result["variants"].items()):
+        levels = variant.get(section, [])
+        xs = [lv[xkey] for lv in levels]
+        for q, style in zip(PERCENTILES, ("-o", "--", ":")):
+            ax.plot(xs, [lv[f"{metric}_ms"][f"p{q}"] for lv in levels], style, color=color,
+                    label=f"{name} p{q}", markersize=4)
+    _plain_log_y(ax)
+
+
+def _plain_log_y(ax) -> None:
+    """Log y (latencies span 100x between levels) labelled 20, 50, 100 rather than 2x10^1; every
+    in-between tick is labelled only when the panel spans less than a decade."""
+    from matplotlib.ticker import FuncFormatter
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    wide = high / low >= 10
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(
+        lambda v, _: f"{v:g}" if not wide or f"{v:.0e}"[0] in "25" else ""))
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _throughput_panel(ax, result: dict, section: str, xkey: str) -> None:
+    for color, (name, variant) in zip(("tab:blue", "tab:orange"), result["variants"].items()):
+        levels = variant.get(section, [])
+        ax.plot([lv[xkey] for lv in levels], [lv["request_throughput"] for lv in levels], "-o", color=color,
+                label=name, markersize=4)
+    if section == "poisson":
+        rates = result["config"]["poisson"]["rates_req_per_s"]
+        ax.plot(rates, rates, color="grey", linewidth=0.8, label="offered")
+    ax.set_ylabel("finished req/s")
+    ax.grid(True, alpha=0.3)
+
+
+def plot(result: dict):
+    """Latency percentiles and throughput vs concurrency (top) and vs Poisson rate (bottom)."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, len(METRICS) + 1, figsize=(21, 8), constrained_layout=True)
+    rows = (("levels", "concurrency", "closed loop: concurrency"), ("poisson", "rate", "Poisson: offered req/s"))
+    for row, (section, xkey, xlabel) in zip(axes, rows):
+        for ax, metric in zip(row, METRICS):
+            _latency_panel(ax, result, section, xkey, metric)
+            ax.set_title(f"{metric.upper()} (ms)")
+        _throughput_panel(row[-1], result, section, xkey)
+        row[-1].set_title("request throughput")
+        for ax in row:
+            ax.set_xlabel(xlabel)
+        ticks = (result["config"]["concurrency"] if section == "levels"
+                 else result["config"]["poisson"]["rates_req_per_s"])
+        for ax in row:
+            if section == "levels":
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncols=6, fontsize=9)
+    axes[1][-1].legend(fontsize=8)
+    m = result.get("machine", {})
+    fig.suptitle(f"serving: vgraph serve (demo model), {result['config']['max_tokens']} new tokens/request, "
+                 f"streamed over HTTP; p50 solid, p90 dashed, p99 dotted  [{m.get('date', '')}, "
+                 f"{m.get('device', '')}, {m.get('torch_num_threads', '?')} thread(s)]")
+    return fig
