@@ -285,3 +285,33 @@ def summarize(result: dict) -> str:
         lines.append(f"  {family:<12} L={row['num_layers']} {c['pass_matches']} pieces {c['pieces']} "
                      f"({c['compiled_pieces']} compiled, {c['unique_piece_graphs']} distinct) {ok}")
     return "\n".join(lines)
+
+
+def plot(result: dict) -> Any:
+    """Left: tokens/s per engine and concurrency. Right: pass matches found vs expected per family."""
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    levels = result["throughput"]["by_concurrency"]
+    names = list(next(iter(levels.values()))["systems"])
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(levels))]
+        left.bar(xs, [lv["systems"][name]["tokens_per_s"] for lv in levels.values()], width, label=name)
+    left.set_xticks(range(len(levels)), [f"{n} requests" for n in levels])
+    left.set_ylabel("generated tokens/s")
+    left.set_title("compiled vs eager (perf checkpoint)", fontsize=9)
+    left.legend(fontsize=7)
+    families = result["pass_matches"]
+    rows = [(fam, p, r["counters"]["pass_matches"].get(p, 0), (r.get("expected_pass_matches") or {}).get(p))
+            for fam, r in families.items() for p in sorted(r["counters"]["pass_matches"])]
+    labels = [f"{fam}\n{p.replace('FusionPass', '')}" for fam, p, _, _ in rows]
+    right.bar(range(len(rows)), [found for _, _, found, _ in rows], label="found")
+    right.scatter(range(len(rows)), [exp if exp is not None else float("nan") for *_, exp in rows],
+                  color="black", marker="_", s=300, label="expected", zorder=3)
+    right.set_xticks(range(len(rows)), labels, fontsize=6, rotation=60)
+    right.set_ylabel("pass matches")
+    right.set_title("fusion-pass matches per model family (2 layers)", fontsize=9)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
