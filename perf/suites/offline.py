@@ -263,7 +263,7 @@ def unpadded_oracle(hf: HFSystem, r: Requests, vg: Tokens, hf_tokens: Tokens) ->
         rows.append({"prompt": i, "prompt_len": len(prompts[i]), "vgraph_equals_unpadded_hf": vg[i] == ref,
                      "batched_hf_equals_unpadded_hf": hf_tokens[i] == ref,
                      "vgraph_first_divergence": first_divergence(vg[i], ref)})
-    return {"checked": rows, "vgraph_matches": sum(r["vgraph_equals_unpadded_hf"] for r in rows)}
+    return {"checked": rows, "vgraph_matches": sum(row["vgraph_equals_unpadded_hf"] for row in rows)}
 
 
 def warm_up(vgraphs: list[VgraphSystem], hf: HFSystem, r: Requests) -> None:

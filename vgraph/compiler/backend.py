@@ -6,6 +6,7 @@ import hashlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -73,6 +74,7 @@ class VgraphBackend:
         # Set by the caller before tracing: the model and the call's tensors, to bind graph inputs.
         self.capture_context: Optional[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = None
         self.pending_capture: Optional[_PendingCapture] = None
+        self._fingerprint: Optional[str] = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.dynamo_started is not None:
@@ -119,7 +121,7 @@ class VgraphBackend:
                            "keeping Dynamo (warm starts will trace again)")
             return None
         if self.config.use_cache:
-            self._save_capture(pending, captured.source_fingerprint(model))
+            self._save_capture(pending, self._source_fingerprint(model))
         return direct
 
     def _save_capture(self, pending: "_PendingCapture", fingerprint: str) -> None:
@@ -137,7 +139,7 @@ class VgraphBackend:
         if not self.config.use_cache:
             return None
         start = time.perf_counter()
-        path = self.cache.find_captured(captured.source_fingerprint(model))
+        path = self.cache.find_captured(self._source_fingerprint(model))
         record = captured.load_record(path) if path is not None else None
         if record is None:
             return None
@@ -152,6 +154,12 @@ class VgraphBackend:
         c.captured_graph, c.captured_load_seconds = "loaded", time.perf_counter() - start
         self._record_pass_matches(hashes)
         return captured.CapturedForward(split, record["sources"], model)
+
+    def _source_fingerprint(self, model: torch.nn.Module) -> str:
+        """Read once per start: the warm lookup and the cold save both need it."""
+        if self._fingerprint is None:
+            self._fingerprint = captured.source_fingerprint(model)
+        return self._fingerprint
 
     def _load_artifact(self, piece_hash: str, label: str) -> Optional[Callable]:
         """One (piece, size) artifact from memory or disk; a missing or unreadable entry is
@@ -227,12 +235,14 @@ class VgraphBackend:
                                                   options={"config_patches": patches})
 
 
+@dataclass
 class _PendingCapture:
     """The cold start's graph, bound and stubbed, waiting for the bit-exactness check."""
 
-    def __init__(self, split: torch.fx.GraphModule, split_bytes: bytes, sources: list,
-                 records: dict[str, captured.PieceRecord]) -> None:
-        self.split, self.split_bytes, self.sources, self.records = split, split_bytes, sources, records
+    split: torch.fx.GraphModule
+    split_bytes: bytes
+    sources: list
+    records: dict[str, captured.PieceRecord]
 
 
 class _RunEveryTime(CustomGraphPass):

@@ -92,31 +92,29 @@ def bind_inputs(example_inputs: list, model: torch.nn.Module, call_inputs: dict[
 
 class CapturedForward:
     """Calls the split graph directly: the inputs gathered from the model and the arguments,
-    the single output returned. What Dynamo's compiled frame does, minus the frame."""
+    the single output returned. What Dynamo's compiled frame does, minus the frame.
+
+    Model state never changes between calls, so the argument list is built once; a call only
+    fills in the slots of ``input_ids``, ``positions`` and the token count (the decode hot path).
+    """
 
     def __init__(self, split: torch.nn.Module, sources: list[InputSource], model: torch.nn.Module) -> None:
         self.split = split
         state = dict(model.named_parameters(remove_duplicate=False))
         state.update(model.named_buffers(remove_duplicate=False))
-        self._getters: list[Callable[[torch.Tensor, torch.Tensor], Any]] = [
-            _getter(s, state) for s in sources]
+        self._args: list[Any] = [state[s.name] if s.kind == STATE else None for s in sources]
+        self._slots = {kind: [i for i, s in enumerate(sources) if s.kind == kind]
+                       for kind in (INPUT_IDS, POSITIONS, NUM_TOKENS)}
+        unknown = {s.kind for s in sources} - {STATE, *self._slots}
+        if unknown:
+            raise ValueError(f"unknown captured-graph input kinds {sorted(unknown)}")
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.split(*[get(input_ids, positions) for get in self._getters])
-        return out[0]
-
-
-def _getter(source: InputSource, state: dict[str, torch.Tensor]) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    if source.kind == STATE:
-        tensor = state[source.name]
-        return lambda ids, pos: tensor
-    if source.kind == INPUT_IDS:
-        return lambda ids, pos: ids
-    if source.kind == POSITIONS:
-        return lambda ids, pos: pos
-    if source.kind == NUM_TOKENS:
-        return lambda ids, pos: ids.shape[0]
-    raise ValueError(f"unknown captured-graph input kind {source.kind!r}")
+        args = list(self._args)
+        for kind, value in ((INPUT_IDS, input_ids), (POSITIONS, positions), (NUM_TOKENS, input_ids.shape[0])):
+            for i in self._slots[kind]:
+                args[i] = value
+        return self.split(*args)[0]
 
 
 def stubbed_split_bytes(split: torch.fx.GraphModule, compiled: set[str]) -> bytes:
