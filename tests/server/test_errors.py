@@ -132,7 +132,7 @@ def test_header_size_limit(server, client, model):
         response = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
                               headers={"x-padding": "a" * (128 * 1024)}, timeout=30)
         assert response.status_code == 400
-    except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+    except httpx.TransportError:  # reset, broken pipe or a half-read response: all "refused"
         pass
     _still_serving(client, model)
 

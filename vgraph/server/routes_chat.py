@@ -18,7 +18,7 @@ from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import APIError
 from .logprobs import chat_logprobs
-from .protocol import ChatCompletionRequest, read_json_object, validate
+from .protocol import ChatCompletionRequest
 from .state import ServerState, usage
 from .streaming import DONE, DeltaTracker, SSEResponse, sse
 
@@ -28,10 +28,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = validate(ChatCompletionRequest, await read_json_object(request, state.settings.max_body_bytes))
-    body.check()
-    model = state.resolve_model(body.model)
-    state.require_ready()
+    body, model = await state.read_generation_request(request, ChatCompletionRequest)
     text, ids = state.encode_chat(body.template_messages(), body.add_generation_prompt)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
                                   body.field_names)

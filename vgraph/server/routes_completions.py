@@ -18,7 +18,7 @@ from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from .errors import APIError
 from .logprobs import completion_logprobs
-from .protocol import CompletionRequest, read_json_object, validate
+from .protocol import CompletionRequest
 from .state import ServerState, prompt_text, usage
 from .streaming import DONE, DeltaTracker, SSEResponse, sse
 
@@ -28,10 +28,7 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
-    body = validate(CompletionRequest, await read_json_object(request, state.settings.max_body_bytes))
-    body.check()
-    model = state.resolve_model(body.model)
-    state.require_ready()
+    body, model = await state.read_generation_request(request, CompletionRequest)
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
     job = _Completion(state, body, model, params, len(prompts))

@@ -16,7 +16,7 @@ from ..sampling_params import SamplingParams
 from .errors import APIError, bad_request
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
-from .protocol import param_from_message
+from .protocol import param_from_message, read_json_object, validate
 from .streaming import DisconnectWatch
 
 logger = logging.getLogger("vgraph.server")
@@ -79,6 +79,15 @@ class ServerState:
             raise APIError(503, f"the engine has failed: {engine.error}", code="engine_dead")
         if not engine.ready:
             raise APIError(503, "the model is still loading", code="not_ready", headers={"Retry-After": "5"})
+
+    async def read_generation_request(self, request: Request, schema: type) -> tuple[Any, str]:
+        """The body of a generation route, validated against ``schema`` and its own checks, and
+        the model it resolves to, once the engine is ready: the preamble both routes share."""
+        body = validate(schema, await read_json_object(request, self.settings.max_body_bytes))
+        body.check()
+        model = self.resolve_model(body.model)
+        self.require_ready()
+        return body, model
 
     async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Hands requests to the engine, mapping its refusals to HTTP errors."""
