@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu_attention_native as native
+
 # Most (query row, key) pairs one group may cover: its bool mask, which SDPA turns into a
 # float one (64 MiB). Long prefills are tiled by query rows to stay under it.
 PAIR_BUDGET = 1 << 24
@@ -225,6 +227,26 @@ def check_block_table_width(segments: list[Segment], block_table: Tensor, block_
                              f"block table's {width} blocks of {block_size}")
 
 
+def attend_short_segments_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                   block_table: Tensor, segments: list[Segment],
+                                   scale: float) -> tuple[Tensor, list[Segment]]:
+    """Runs the C++ in-place kernel on the segments of at most ``MAX_QUERY_ROWS`` rows.
+
+    Returns the output (zeros outside those segments' rows) and the segments left for the
+    SDPA path: all of them when the kernel is off, unavailable or the inputs do not suit it.
+    """
+    if not (segments and native.supports(q, k_cache) and native.enabled()):
+        return q.new_zeros(q.shape), segments
+    short = [s for s in segments if s.q_len <= native.MAX_QUERY_ROWS]
+    if not short:
+        return q.new_zeros(q.shape), segments
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    native.attend_segments(q, k_cache, v_cache, block_table,
+                           [(s.seq, s.start, s.q_len, s.seq_len) for s in short], scale, out)
+    long = [s for s in segments if s.q_len > native.MAX_QUERY_ROWS]
+    return (out if q.dtype == torch.float32 else out.to(q.dtype)), long
+
+
 def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                         query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
                         softmax_scale: float, pair_budget: int = PAIR_BUDGET,
@@ -234,9 +256,10 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     Shapes and dtypes are checked by the caller (the op registration); the metadata is read
     on the host here, which is cheap on CPU and lets the batch be grouped by length.
     """
-    out = q.new_zeros(q.shape)
     segments = sequence_segments(query_start_loc, seq_lens, q.shape[0], max_query_len)
     check_block_table_width(segments, block_table, k_cache.shape[1])
+    out, segments = attend_short_segments_in_place(q, k_cache, v_cache, block_table, segments,
+                                                   softmax_scale)
     tiles = [tile for seg in segments for tile in tile_segment(seg, pair_budget)]
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     kv_rows_budget = kv_budget_bytes // row_bytes

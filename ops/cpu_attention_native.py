@@ -1,0 +1,120 @@
+"""The in-place C++ CPU attention (``csrc/paged_attention_cpu.cpp``) for short query segments.
+
+A decode row reads its sequence's K/V rows straight from the paged cache, once, through the
+block table; the torch path (``cpu_attention.attend_group``) first gathers them into a padded
+copy and then reads that copy in SDPA. At decode the KV cache is the bulk of the bytes a step
+moves besides the weights, so this halves them or better. ``cpu_attention`` sends segments of
+at most ``MAX_QUERY_ROWS`` rows here and longer prefills to SDPA.
+
+The kernel is built on first use (``native_build``). Without a working compiler the op keeps
+the torch path for everything, with one warning; ``VGRAPH_CPU_ATTENTION=torch`` forces that
+path (to compare the two, or to rule the kernel out).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .native_build import NativeBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+# Longest query segment the kernel takes: every query vector of a (segment, KV head) pair is
+# scored against each K row while it is in L1. Past a few rows, SDPA's GEMM-shaped kernel is
+# faster and the K/V copy it needs is amortised over many rows.
+MAX_QUERY_ROWS = 16
+MAX_HEAD_DIM = 1024
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+ENV_SWITCH = "VGRAPH_CPU_ATTENTION"
+
+
+class _Args(ctypes.Structure):
+    """Mirror of ``PagedAttentionArgs`` in the C++ source, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+        ("k_strides", ctypes.c_int64 * 3), ("v_strides", ctypes.c_int64 * 3),
+        ("block_table", ctypes.c_void_p), ("block_table_stride", ctypes.c_int64),
+        ("segments", ctypes.c_void_p), ("num_segments", ctypes.c_int64),
+        ("num_blocks", ctypes.c_int64),
+        ("q_heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+        ("block_size", ctypes.c_int32), ("cache_dtype", ctypes.c_int32),
+        ("block_table_is_int64", ctypes.c_int32), ("num_threads", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+
+class _Kernel:
+    """The loaded library, or why there is none; loaded once per process."""
+
+    def __init__(self) -> None:
+        self.function = None
+        self.unavailable: str | None = None
+
+    def load(self):
+        if self.function is None and self.unavailable is None:
+            try:
+                lib = load_library("paged_attention_cpu")
+                if lib.vgraph_paged_attention_args_size() != ctypes.sizeof(_Args):
+                    raise NativeBuildError("the C++ argument struct and its ctypes mirror differ")
+                lib.vgraph_paged_attention.argtypes = [ctypes.POINTER(_Args)]
+                lib.vgraph_paged_attention.restype = ctypes.c_int64
+                self.function = lib.vgraph_paged_attention
+            except NativeBuildError as exc:
+                self.unavailable = str(exc)
+                logger.warning("CPU paged attention falls back to the torch path for all "
+                               "rows (slower decode): %s", exc)
+        return self.function
+
+
+_KERNEL = _Kernel()
+
+
+def enabled() -> bool:
+    """Whether short segments go to the C++ kernel (it builds on the first call)."""
+    if os.environ.get(ENV_SWITCH, "").lower() == "torch":
+        return False
+    return _KERNEL.load() is not None
+
+
+def supports(q: Tensor, k_cache: Tensor) -> bool:
+    """Inputs the kernel takes: CPU tensors in a supported dtype with unit-stride head_dim."""
+    return (q.device.type == "cpu" and k_cache.dtype in _CACHE_DTYPES
+            and k_cache.shape[-1] <= MAX_HEAD_DIM and k_cache.stride(-1) == 1)
+
+
+def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                    segments: Sequence[tuple[int, int, int, int]], scale: float,
+                    out: Tensor) -> None:
+    """Writes the attention of ``segments`` ((sequence, first row, rows, seq_len) each) into
+    their rows of ``out`` (float32, contiguous, same shape as q)."""
+    function = _KERNEL.load()
+    if function is None:
+        raise NativeBuildError(_KERNEL.unavailable or "the C++ attention kernel is not loaded")
+    if not segments:
+        return
+    q32 = q.to(torch.float32).contiguous()
+    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
+    seg = torch.tensor(segments, dtype=torch.int64)
+    table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    args = _Args(
+        q=q32.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),
+        v_cache=v_cache.data_ptr(), k_strides=(ctypes.c_int64 * 3)(*k_cache.stride()[:3]),
+        v_strides=(ctypes.c_int64 * 3)(*v_cache.stride()[:3]),
+        block_table=table.data_ptr(), block_table_stride=table.stride(0),
+        segments=seg.data_ptr(), num_segments=len(segments), num_blocks=k_cache.shape[0],
+        q_heads=q.shape[1], kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3],
+        block_size=k_cache.shape[1], cache_dtype=_CACHE_DTYPES[k_cache.dtype],
+        block_table_is_int64=int(table.dtype == torch.int64),
+        num_threads=torch.get_num_threads(), scale=scale)
+    failed = function(ctypes.byref(args))
+    if failed:
+        seq = int(failed) - 1
+        raise ValueError(f"sequence {seq}: its block table points outside the cache's "
+                         f"{k_cache.shape[0]} blocks")

@@ -1,0 +1,128 @@
+"""Builds vgraph's C++ CPU kernels (``ops/csrc``) into shared libraries, cached on disk.
+
+Why not ``torch.utils.cpp_extension``: its builds include torch's headers and take about a
+minute on a small machine, on the first start of every fresh environment. These kernels use
+no torch API (they take raw pointers through ctypes), so a plain compiler call builds one in
+about a second. It is the compiler Inductor's CPU backend needs anyway (``$CXX``, else ``c++``).
+
+Cache: ``$VGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/vgraph/kernels``), one file per
+hash of the source, the compiler's version, the flags and this CPU's feature flags (the
+build targets ``-march=native``). Builds land in a temporary file renamed into place, so
+concurrent first users each end with one complete library. A read-only cache builds into a
+temporary directory for this process instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from functools import lru_cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+_lock = threading.Lock()
+
+
+class NativeBuildError(RuntimeError):
+    """The C++ kernel could not be built or loaded (no compiler, or it failed)."""
+
+
+def compiler() -> str:
+    """``$CXX`` when set, else ``c++`` from PATH."""
+    name = os.environ.get("CXX") or "c++"
+    path = shutil.which(name)
+    if path is None:
+        raise NativeBuildError(f"no C++ compiler: {name!r} is not on PATH (set $CXX)")
+    return path
+
+
+def kernel_cache_dir() -> Path:
+    base = os.environ.get("VGRAPH_CACHE_DIR") or Path.home() / ".cache" / "vgraph"
+    return Path(base) / "kernels"
+
+
+@lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    result = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    return result.stdout
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags: ``-march=native`` code is only valid on a CPU that has them."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def library_key(source: str, cxx: str) -> str:
+    parts = [source, cxx, _compiler_version(cxx), " ".join(FLAGS), _cpu_features()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _compile(cxx: str, source_file: Path, target: Path) -> None:
+    """Compiles into a temporary file next to ``target`` and renames it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run([cxx, *FLAGS, str(source_file), "-o", tmp],
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise NativeBuildError(f"{cxx} failed to build {source_file.name}:\n"
+                                   f"{result.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build(name: str, cxx: str, source_file: Path, source: str) -> Path:
+    key = library_key(source, cxx)
+    for directory in (kernel_cache_dir(), None):
+        if directory is None:
+            directory = Path(tempfile.mkdtemp(prefix="vgraph-kernels-"))
+        target = directory / f"{name}-{key}.so"
+        if target.is_file():
+            return target
+        start = time.perf_counter()
+        try:
+            _compile(cxx, source_file, target)
+        except OSError as exc:  # read-only or full cache dir: build privately instead
+            logger.warning("cannot write the kernel cache %s (%s); building in a temporary "
+                           "directory", directory, exc)
+            continue
+        logger.info("built the C++ kernel %s in %.1f s (%s)", name, time.perf_counter() - start,
+                    target)
+        return target
+    raise NativeBuildError(f"could not write {name} anywhere")  # the temp dir failed too
+
+
+@lru_cache(maxsize=None)
+def load_library(name: str) -> ctypes.CDLL:
+    """``ops/csrc/<name>.cpp`` as a loaded library, built on first use in this cache.
+
+    Raises NativeBuildError when there is no compiler or the build fails; callers fall back
+    to their torch implementation.
+    """
+    source_file = CSRC / f"{name}.cpp"
+    source = source_file.read_text(encoding="utf-8")
+    with _lock:
+        path = _build(name, compiler(), source_file, source)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {path}: {exc}") from exc
