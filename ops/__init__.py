@@ -4,8 +4,11 @@ Each op has a schema, a fake (meta) implementation for tracing, a CPU implementa
 plain torch, and a CUDA implementation that runs a Triton kernel. The plain-torch
 ``*_reference`` functions define each op's numerics and are the test oracle; for most ops
 they are the CPU implementation itself, while paged attention has a batched CPU kernel
-(ops/cpu_attention.py) checked against its readable per-sequence reference. This package depends on torch and triton only, so fusion-pass research can
-use it on any model.
+(ops/cpu_attention.py) checked against its readable per-sequence reference. Two CPU hot
+spots have C++ kernels (ops/csrc, built on first use by ops/native_build.py): decode
+attention read in place from the paged cache, and ``packed_linear``, a float32 GEMM over
+weights packed into column panels. This package depends on torch and triton only, so
+fusion-pass research can use it on any model.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_
                           rms_norm_static_fp8_quant, silu_and_mul_static_fp8_quant)
 from .kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from .kv_cache import reshape_and_cache
+from .linear import packed_linear
 from .norm import fused_add_rms_norm, rms_norm
 from .unified_attention import unified_attention
 
@@ -24,6 +28,6 @@ __all__ = [
     "static_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant", "fp8_gemm",
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
-    "reshape_and_cache", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
+    "reshape_and_cache", "packed_linear", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE",
 ]

@@ -85,15 +85,24 @@ inline float f16_to_float(uint16_t bits) {
   return value;
 }
 
-// A K or V row as float32: the cache itself for float32, else converted into `scratch`.
-inline const float* row_as_float(const void* cache, int64_t offset, int32_t dtype, int head_dim,
-                                 float* scratch) {
-  if (dtype == kFloat32) return static_cast<const float*>(cache) + offset;
-  const uint16_t* src = static_cast<const uint16_t*>(cache) + offset;
-  if (dtype == kBFloat16) {
-    for (int d = 0; d < head_dim; ++d) scratch[d] = bf16_to_float(src[d]);
-  } else {
-    for (int d = 0; d < head_dim; ++d) scratch[d] = f16_to_float(src[d]);
+// `keys` rows of one KV head as float32 rows `*stride` apart: the cache itself for float32,
+// else converted into `scratch` (keys x head_dim).
+inline const float* rows_as_float(const void* cache, int64_t offset, int64_t token_stride,
+                                  int32_t dtype, int keys, int head_dim, float* scratch,
+                                  int64_t* stride) {
+  if (dtype == kFloat32) {
+    *stride = token_stride;
+    return static_cast<const float*>(cache) + offset;
+  }
+  *stride = head_dim;
+  for (int t = 0; t < keys; ++t) {
+    const uint16_t* src = static_cast<const uint16_t*>(cache) + offset + t * token_stride;
+    float* dst = scratch + static_cast<int64_t>(t) * head_dim;
+    if (dtype == kBFloat16) {
+      for (int d = 0; d < head_dim; ++d) dst[d] = bf16_to_float(src[d]);
+    } else {
+      for (int d = 0; d < head_dim; ++d) dst[d] = f16_to_float(src[d]);
+    }
   }
   return scratch;
 }
@@ -120,13 +129,67 @@ inline float dot(const float* __restrict a, const float* __restrict b, int n) {
   return sum;
 }
 
-inline void axpy(float* __restrict y, float alpha, const float* __restrict x, int n) {
-  const __m256 scale = _mm256_set1_ps(alpha);
-  int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+// out[t] = q . k_t for `keys` rows `stride` apart, four rows per pass: four independent
+// accumulators hide the FMA latency and q is loaded once for all four.
+inline void dot_rows(const float* __restrict q, const float* __restrict k, int64_t stride,
+                     int keys, int n, float* __restrict out) {
+  int t = 0;
+  for (; t + 4 <= keys; t += 4) {
+    const float* k0 = k + t * stride;
+    const float *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+    }
+    // [a0 a1 a2 a3] from the four 8-lane sums: two rounds of pairwise adds, then the halves.
+    const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
+    alignas(16) float four[4];
+    _mm_store_ps(four, sums);
+    for (; i < n; ++i) {
+      four[0] += q[i] * k0[i]; four[1] += q[i] * k1[i];
+      four[2] += q[i] * k2[i]; four[3] += q[i] * k3[i];
+    }
+    out[t] = four[0]; out[t + 1] = four[1]; out[t + 2] = four[2]; out[t + 3] = four[3];
   }
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  for (; t < keys; ++t) out[t] = dot(q, k + t * stride, n);
+}
+
+// acc += sum_t p[t] * v_t over `keys` rows `stride` apart. acc is held in registers 32 lanes
+// at a time across all the rows, instead of loaded and stored once per row.
+inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
+                            const float* __restrict v, int64_t stride, int keys, int n) {
+  int i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m256 c0 = _mm256_loadu_ps(acc + i), c1 = _mm256_loadu_ps(acc + i + 8);
+    __m256 c2 = _mm256_loadu_ps(acc + i + 16), c3 = _mm256_loadu_ps(acc + i + 24);
+    for (int t = 0; t < keys; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* vt = v + t * stride + i;
+      c0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c0);
+      c1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c1);
+      c2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c2);
+      c3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c3);
+    }
+    _mm256_storeu_ps(acc + i, c0); _mm256_storeu_ps(acc + i + 8, c1);
+    _mm256_storeu_ps(acc + i + 16, c2); _mm256_storeu_ps(acc + i + 24, c3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 c = _mm256_loadu_ps(acc + i);
+    for (int t = 0; t < keys; ++t) {
+      c = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + i), c);
+    }
+    _mm256_storeu_ps(acc + i, c);
+  }
+  for (; i < n; ++i) {
+    for (int t = 0; t < keys; ++t) acc[i] += p[t] * v[t * stride + i];
+  }
 }
 
 // exp(x) for x <= 0 (scores minus their running max), 8 lanes: n = round(x / ln 2),
@@ -171,14 +234,19 @@ inline float exp_shifted(float* score, int n, float max) {
   return sum;
 }
 #else
-inline float dot(const float* __restrict a, const float* __restrict b, int n) {
-  float sum = 0.f;
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+inline void dot_rows(const float* q, const float* k, int64_t stride, int keys, int n, float* out) {
+  for (int t = 0; t < keys; ++t) {
+    float sum = 0.f;
+    for (int i = 0; i < n; ++i) sum += q[i] * k[t * stride + i];
+    out[t] = sum;
+  }
 }
 
-inline void axpy(float* __restrict y, float alpha, const float* __restrict x, int n) {
-  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+inline void accumulate_rows(float* acc, const float* p, const float* v, int64_t stride, int keys,
+                            int n) {
+  for (int t = 0; t < keys; ++t) {
+    for (int i = 0; i < n; ++i) acc[i] += p[t] * v[t * stride + i];
+  }
 }
 
 inline float exp_shifted(float* score, int n, float max) {
@@ -199,17 +267,15 @@ inline int64_t block_id(const PagedAttentionArgs& a, int64_t seq, int64_t index)
 
 // Per-thread buffers, kept across calls so the hot path never allocates.
 struct Scratch {
-  std::vector<float> q, acc, scores, row_max, row_sum, k_row, v_row;
-  std::vector<int64_t> row_pos;
+  std::vector<float> q, acc, scores, row_max, row_sum, k_block, v_block;
 
   void fit(int rows, int head_dim, int block_size) {
     const size_t vectors = static_cast<size_t>(rows) * head_dim;
     if (q.size() < vectors) { q.resize(vectors); acc.resize(vectors); }
-    if (scores.size() < static_cast<size_t>(rows) * block_size) scores.resize(rows * block_size);
-    if (row_max.size() < static_cast<size_t>(rows)) {
-      row_max.resize(rows); row_sum.resize(rows); row_pos.resize(rows);
-    }
-    if (k_row.size() < static_cast<size_t>(head_dim)) { k_row.resize(head_dim); v_row.resize(head_dim); }
+    if (scores.size() < static_cast<size_t>(block_size)) scores.resize(block_size);
+    if (row_max.size() < static_cast<size_t>(rows)) { row_max.resize(rows); row_sum.resize(rows); }
+    const size_t block = static_cast<size_t>(block_size) * head_dim;
+    if (k_block.size() < block) { k_block.resize(block); v_block.resize(block); }
   }
 };
 
@@ -221,66 +287,77 @@ struct Item {
   int kv_begin, kv_end, group, heads, rows;
 };
 
-// Scores of one block's keys for every query vector, then the online-softmax update: the
-// running max moves, the accumulator and sum are rescaled once, and the block's scores are
-// replaced by their unnormalised probabilities. The block's K rows are read token by token
-// across the item's KV heads, i.e. in address order.
-void score_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block,
-                 int64_t first_key, int keys) {
-  const int d = a.head_dim, bs = a.block_size;
+// One row's scores of a block's keys -> unnormalised probabilities, with the online-softmax
+// update: the running max moves, and the accumulator and sum are rescaled once per block.
+void softmax_update(Scratch& s, int r, int keys, int head_dim) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  for (int t = 0; t < keys; ++t) {
-    for (int kv = it.kv_begin; kv < it.kv_end; ++kv) {
-      const int64_t offset = block * a.k_strides[0] + t * a.k_strides[1] + kv * a.k_strides[2];
-      const float* k = row_as_float(a.k_cache, offset, a.cache_dtype, d, s.k_row.data());
-      const int local = (kv - it.kv_begin) * it.group;
-      for (int64_t j = 0; j < it.q_len; ++j) {
-        const bool visible = first_key + t <= it.seq_len - it.q_len + j;  // causal
-        for (int g = 0; g < it.group; ++g) {
-          const int r = static_cast<int>(j) * it.heads + local + g;
-          s.scores[r * bs + t] = visible ? dot(&s.q[static_cast<size_t>(r) * d], k, d) * a.scale
-                                         : neg_inf;
-        }
+  float* score = s.scores.data();
+  float block_max = neg_inf;
+  for (int t = 0; t < keys; ++t) block_max = std::max(block_max, score[t]);
+  if (block_max == neg_inf) {  // every key of this block is in this row's future
+    std::fill_n(score, keys, 0.f);
+    return;
+  }
+  const float new_max = std::max(s.row_max[r], block_max);
+  const float rescale = std::exp(s.row_max[r] - new_max);  // 0 on the row's first block
+  const float sum = exp_shifted(score, keys, new_max);
+  if (rescale != 1.f) {
+    float* acc = &s.acc[static_cast<size_t>(r) * head_dim];
+    for (int i = 0; i < head_dim; ++i) acc[i] *= rescale;
+  }
+  s.row_sum[r] = s.row_sum[r] * rescale + sum;
+  s.row_max[r] = new_max;
+}
+
+// One block of keys for every row of one KV head: K rows scored four at a time, the softmax
+// update, then the V rows accumulated, while the block's rows for this head are in L1.
+void attend_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block,
+                  int64_t first_key, int keys, int kv) {
+  const int d = a.head_dim;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  int64_t k_stride, v_stride;
+  const float* k = rows_as_float(a.k_cache, block * a.k_strides[0] + kv * a.k_strides[2],
+                                 a.k_strides[1], a.cache_dtype, keys, d, s.k_block.data(), &k_stride);
+  const float* v = rows_as_float(a.v_cache, block * a.v_strides[0] + kv * a.v_strides[2],
+                                 a.v_strides[1], a.cache_dtype, keys, d, s.v_block.data(), &v_stride);
+  const int local = (kv - it.kv_begin) * it.group;
+  for (int64_t j = 0; j < it.q_len; ++j) {
+    const int64_t last_visible = it.seq_len - it.q_len + j - first_key;  // causal
+    const int visible = static_cast<int>(std::min<int64_t>(keys, last_visible + 1));
+    for (int g = 0; g < it.group; ++g) {
+      const int r = static_cast<int>(j) * it.heads + local + g;
+      float* score = s.scores.data();
+      if (visible > 0) dot_rows(&s.q[static_cast<size_t>(r) * d], k, k_stride, visible, d, score);
+      for (int t = 0; t < visible; ++t) score[t] *= a.scale;
+      for (int t = std::max(visible, 0); t < keys; ++t) score[t] = neg_inf;
+      softmax_update(s, r, keys, d);
+      if (visible > 0) {
+        accumulate_rows(&s.acc[static_cast<size_t>(r) * d], score, v, v_stride, visible, d);
       }
     }
-  }
-  for (int r = 0; r < it.rows; ++r) {
-    float* score = &s.scores[r * bs];
-    float block_max = neg_inf;
-    for (int t = 0; t < keys; ++t) block_max = std::max(block_max, score[t]);
-    if (block_max == neg_inf) {  // every key of this block is in this row's future
-      std::fill_n(score, keys, 0.f);
-      continue;
-    }
-    const float new_max = std::max(s.row_max[r], block_max);
-    const float rescale = std::exp(s.row_max[r] - new_max);  // 0 on the row's first block
-    const float sum = exp_shifted(score, keys, new_max);
-    if (rescale != 1.f) {
-      float* acc = &s.acc[static_cast<size_t>(r) * d];
-      for (int i = 0; i < d; ++i) acc[i] *= rescale;
-    }
-    s.row_sum[r] = s.row_sum[r] * rescale + sum;
-    s.row_max[r] = new_max;
   }
 }
 
-void accumulate_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block,
-                      int keys) {
-  const int d = a.head_dim, bs = a.block_size;
-  for (int t = 0; t < keys; ++t) {
-    for (int kv = it.kv_begin; kv < it.kv_end; ++kv) {
-      const int64_t offset = block * a.v_strides[0] + t * a.v_strides[1] + kv * a.v_strides[2];
-      const float* v = row_as_float(a.v_cache, offset, a.cache_dtype, d, s.v_row.data());
-      const int local = (kv - it.kv_begin) * it.group;
-      for (int64_t j = 0; j < it.q_len; ++j) {
-        for (int g = 0; g < it.group; ++g) {
-          const int r = static_cast<int>(j) * it.heads + local + g;
-          const float p = s.scores[r * bs + t];
-          if (p != 0.f) axpy(&s.acc[static_cast<size_t>(r) * d], p, v, d);
-        }
-      }
+// Asks for the next block's K and V rows of the item's heads while this block is computed:
+// the rows sit a token stride apart, a pattern the hardware prefetcher follows poorly.
+void prefetch_block(const PagedAttentionArgs& a, const Item& it, int64_t block) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (block < 0 || block >= a.num_blocks) return;
+  const int elem = a.cache_dtype == kFloat32 ? 4 : 2;
+  const int64_t bytes = static_cast<int64_t>(it.kv_end - it.kv_begin) * a.head_dim * elem;
+  for (int t = 0; t < a.block_size; ++t) {
+    const char* k = static_cast<const char*>(a.k_cache) +
+                    (block * a.k_strides[0] + t * a.k_strides[1] + it.kv_begin * a.k_strides[2]) * elem;
+    const char* v = static_cast<const char*>(a.v_cache) +
+                    (block * a.v_strides[0] + t * a.v_strides[1] + it.kv_begin * a.v_strides[2]) * elem;
+    for (int64_t line = 0; line < bytes; line += 64) {
+      _mm_prefetch(k + line, _MM_HINT_T0);
+      _mm_prefetch(v + line, _MM_HINT_T0);
     }
   }
+#else
+  (void)a; (void)it; (void)block;
+#endif
 }
 
 // One segment's query rows for the query heads of KV heads [kv_begin, kv_end). Returns 0,
@@ -309,8 +386,8 @@ int64_t attend(const PagedAttentionArgs& a, int64_t segment, int kv_begin, int k
     const int64_t block = block_id(a, it.seq, index);
     if (block < 0 || block >= a.num_blocks) return 1 + it.seq;
     const int keys = static_cast<int>(std::min<int64_t>(a.block_size, it.seq_len - first_key));
-    score_block(a, it, s, block, first_key, keys);
-    accumulate_block(a, it, s, block, keys);
+    if (first_key + a.block_size < it.seq_len) prefetch_block(a, it, block_id(a, it.seq, index + 1));
+    for (int kv = it.kv_begin; kv < it.kv_end; ++kv) attend_block(a, it, s, block, first_key, keys, kv);
   }
   for (int r = 0; r < it.rows; ++r) {
     const int64_t token = it.first_row + r / it.heads, head = q_begin + r % it.heads;

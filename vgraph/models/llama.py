@@ -29,7 +29,9 @@ import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
 from vgraph.ops.activation import silu_and_mul_reference
 from vgraph.ops.kernels.common import FP8_DTYPE
 from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from vgraph.ops.linear import packing_enabled
 
+from .linear import Linear, MergedLinear, empty_parameter, pack_linears, unpack_linears
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, fp8_linear_from
 from .rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -118,47 +120,6 @@ class LayerOptions:
     quant: Optional[Fp8Config] = None
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
-    # Uninitialized: every weight is overwritten by load_weights, and random init of a
-    # multi-GB model would cost seconds for nothing.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with uninitialized parameters."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: Any) -> None:
-        super().__init__()
-        self.weight = _empty(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _empty(out_features, dtype=dtype, device=device) if bias else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input stacked on the output dim, run as one GEMM.
-
-    ``shards`` names each part and its output size in order; the loader copies each HF
-    weight into its row range.
-    """
-
-    def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool,
-                 dtype: torch.dtype, device: Any) -> None:
-        super().__init__(in_features, sum(size for _, size in shards), bias, dtype, device)
-        self.shards: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, size in shards:
-            self.shards[name] = (start, size)
-            start += size
-
-    def shard_view(self, param_name: str, shard: str) -> Tensor:
-        """Where the loader copies ``shard``'s rows of ``param_name`` (weight or bias)."""
-        start, size = self.shards[shard]
-        return getattr(self, param_name).data.narrow(0, start, size)
-
-
 def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[tuple[str, int]],
                 bias: bool) -> nn.Module:
     """A projection; ``out_features`` as [(shard, size), ...] makes it a fused one.
@@ -183,7 +144,7 @@ def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[t
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: Any) -> None:
         super().__init__()
-        self.weight = _empty(vocab_size, hidden_size, dtype=dtype, device=device)
+        self.weight = empty_parameter(vocab_size, hidden_size, dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return F.embedding(input_ids, self.weight)
@@ -199,7 +160,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.use_custom_ops = opts.use_custom_ops
-        self.weight = _empty(size, dtype=opts.dtype, device=opts.device)
+        self.weight = empty_parameter(size, dtype=opts.dtype, device=opts.device)
 
     def forward(self, x: Tensor,
                 residual: Optional[Tensor] = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -340,6 +301,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # CPU float32 projections run vgraph's packed GEMM (see models/packed.py), with the
+        # ops switch on or off: it picks how norms and activations are written, not the GEMM.
+        self._pack_projections = torch.device(device).type == "cpu" and dtype == torch.float32
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
@@ -357,6 +321,7 @@ class LlamaForCausalLM(nn.Module):
         fused shard) the checkpoint did not provide, and any shape mismatch. Afterwards fp8
         layers settle their scales, or high-precision layers are quantized (fp8 at load).
         """
+        unpack_linears(self)  # a packed model (loaded before) takes weights in the plain layout
         params = dict(self.named_parameters())
         loaded: set[Target] = set()
         unexpected: list[str] = []
@@ -381,6 +346,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Fp8Linear):
                 module.finalize()
+        if self._pack_projections and packing_enabled():
+            pack_linears(self, skip={"lm_head"} if self.spec.tie_word_embeddings else set())
 
     def _quantize_linears(self) -> None:
         """Swaps every decoder projection for its fp8 form (the lm_head stays as it is).

@@ -1,0 +1,127 @@
+"""``vgraph::packed_linear``: float32 ``x @ W^T + b`` on CPU over a weight packed once.
+
+On CPU a decode step is a handful of rows times every weight matrix, and torch's BLAS call
+for ``F.linear`` runs far below the memory bandwidth at those row counts. The C++ kernel
+(``csrc/linear_cpu.cpp``) reads a weight packed into 16-column panels front to back once
+per call; ``perf/suites/ops.py`` measures it against ``F.linear``.
+
+Layout: ``pack_weight`` turns ``W [N, K]`` into ``[ceil(N / 16), K, 16]``, zero past column
+N, so panel p holds output columns ``16p .. 16p + 15`` contiguous along k. The op's default
+implementation unpacks and calls ``F.linear``: it defines the op, serves devices and dtypes
+without the kernel, and is the oracle in tests.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .native_build import NativeBuildError, load_library
+
+logger = logging.getLogger(__name__)
+
+PANEL = 16
+ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    """``[N, K]`` -> ``[ceil(N / 16), K, 16]`` float32, contiguous; padding columns are zero."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = F.pad(weight.detach().to(torch.float32), (0, 0, 0, panels * PANEL - n))
+    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(packed: Tensor, out_features: int) -> Tensor:
+    """The ``[out_features, K]`` weight ``packed`` came from (a copy)."""
+    panels, k, width = packed.shape
+    return packed.transpose(1, 2).reshape(panels * width, k)[:out_features]
+
+
+def packed_linear_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor],
+                            out_features: int) -> Tensor:
+    return F.linear(x, unpack_weight(packed, out_features).to(x.dtype), bias)
+
+
+class _Kernel:
+    """The loaded library, or why there is none; loaded once per process."""
+
+    def __init__(self) -> None:
+        self.function = None
+        self.unavailable: Optional[str] = None
+
+    def load(self):
+        if self.function is None and self.unavailable is None:
+            try:
+                lib = load_library("linear_cpu")
+                if lib.vgraph_linear_panel_width() != PANEL:
+                    raise NativeBuildError("linear_cpu.cpp's panel width differs from PANEL")
+                fn = lib.vgraph_linear
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_int32]
+                fn.restype = None
+                self.function = fn
+            except NativeBuildError as exc:
+                self.unavailable = str(exc)
+                logger.warning("packed CPU linear unavailable, projections keep F.linear: %s", exc)
+        return self.function
+
+
+_KERNEL = _Kernel()
+
+
+def packing_enabled() -> bool:
+    """Whether CPU float32 models should pack their projections (the kernel builds here)."""
+    if os.environ.get(ENV_SWITCH, "").lower() == "torch":
+        return False
+    return _KERNEL.load() is not None
+
+
+def _check(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> None:
+    if packed.dim() != 3 or packed.shape[2] != PANEL or packed.dtype != torch.float32:
+        raise ValueError(f"packed weight must be float32 [panels, K, {PANEL}], got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    if not (packed.shape[0] - 1) * PANEL < out_features <= packed.shape[0] * PANEL:
+        raise ValueError(f"out_features {out_features} does not fit {packed.shape[0]} panels")
+    if x.shape[-1] != packed.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {packed.shape[1]}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({out_features},)")
+
+
+@torch.library.custom_op("vgraph::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+    """``x [..., K] @ W^T + bias`` -> ``[..., out_features]`` with W given packed."""
+    _check(x, packed, bias, out_features)
+    return packed_linear_reference(x, packed, bias, out_features)
+
+
+@packed_linear.register_fake
+def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+    _check(x, packed, bias, out_features)
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@packed_linear.register_kernel("cpu")
+def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+    _check(x, packed, bias, out_features)
+    function = _KERNEL.load()
+    if function is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != x.dtype):
+        return packed_linear_reference(x, packed, bias, out_features)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
+        rows = rows.contiguous()
+    packed = packed.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] > 0:
+        function(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], packed.data_ptr(),
+                 out_features, bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                 out.stride(0), torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)

@@ -1,0 +1,110 @@
+"""``vgraph::packed_linear`` (ops/linear.py, csrc/linear_cpu.cpp) against ``F.linear``.
+
+The kernel tiles rows by 6 and columns by 16, so row counts around multiples of 6 and column
+counts that leave a partial last panel are where an indexing slip would show.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vgraph.ops import linear
+from vgraph.ops.linear import pack_weight, packed_linear_reference, unpack_weight
+
+SHAPES = [(1024, 512), (100, 80), (17, 33), (1, 5), (16, 16)]
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 sums over k in another order: compare against the output's own scale."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if ref.numel() == 0:
+        return
+    scale = ref.abs().max().clamp_min(1.0)
+    assert ((out - ref).abs().max() / scale).item() < 1e-5
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_pack_round_trips_and_pads_with_zeros(out_features, in_features):
+    w = torch.randn(out_features, in_features)
+    packed = pack_weight(w)
+    panels = -(-out_features // 16)
+    assert packed.shape == (panels, in_features, 16) and packed.is_contiguous()
+    assert torch.equal(unpack_weight(packed, out_features), w)
+    assert not packed.transpose(1, 2).reshape(panels * 16, in_features)[out_features:].any()
+
+
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(out_features, in_features, rows, with_bias):
+    w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    out = torch.ops.vgraph.packed_linear(x, pack_weight(w), bias, out_features)
+    close(out, F.linear(x, w, bias))
+
+
+def test_leading_dims_and_strided_rows():
+    w = torch.randn(40, 64)
+    x = torch.randn(3, 5, 64)
+    close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 40), F.linear(x, w))
+    wide = torch.randn(9, 100)
+    x = wide[:, 10:74]  # rows 100 apart, unit stride inside
+    close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 40), F.linear(x, w))
+    x = torch.randn(64, 9).t()  # column-major rows
+    close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 40), F.linear(x, w))
+
+
+def test_threads_split_panels_without_changing_a_bit():
+    w, x, bias = torch.randn(300, 96), torch.randn(20, 96), torch.randn(300)
+    packed = pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
+        torch.set_num_threads(2)
+        two = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_the_cpu_kernel_runs_and_other_dtypes_use_the_reference(monkeypatch):
+    assert linear._KERNEL.load() is not None, linear._KERNEL.unavailable
+    w = torch.randn(24, 32)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    out = torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 24)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, packed_linear_reference(x, pack_weight(w), None, 24))
+
+
+def test_without_the_kernel_the_op_falls_back_to_the_reference(monkeypatch):
+    missing = linear._Kernel()
+    missing.unavailable = "no compiler (test)"
+    monkeypatch.setattr(linear, "_KERNEL", missing)
+    w, x = torch.randn(24, 32), torch.randn(4, 32)
+    close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 24), F.linear(x, w))
+    assert not linear.packing_enabled()
+
+
+def test_switch_turns_packing_off(monkeypatch):
+    monkeypatch.setenv(linear.ENV_SWITCH, "torch")
+    assert not linear.packing_enabled()
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(2, 32), torch.randn(2, 32, 8), None, 24), "packed weight"),
+    ((torch.randn(2, 32), pack_weight(torch.randn(24, 32)).double(), None, 24), "packed weight"),
+    ((torch.randn(2, 31), pack_weight(torch.randn(24, 32)), None, 24), "features"),
+    ((torch.randn(2, 32), pack_weight(torch.randn(24, 32)), None, 40), "panels"),
+    ((torch.randn(2, 32), pack_weight(torch.randn(24, 32)), None, 16), "panels"),
+    ((torch.randn(2, 32), pack_weight(torch.randn(24, 32)), torch.randn(23), 24), "bias"),
+])
+def test_bad_inputs_raise_value_error(args, match):
+    with pytest.raises(ValueError, match=match):
+        torch.ops.vgraph.packed_linear(*args)
+
+
+def test_opcheck():
+    args = (torch.randn(3, 64), pack_weight(torch.randn(40, 64)), torch.randn(40), 40)
+    torch.library.opcheck(torch.ops.vgraph.packed_linear.default, args)

@@ -1,0 +1,121 @@
+"""The model's float projections: plain, fused (several outputs of one input), and packed.
+
+``Linear`` and ``MergedLinear`` are what the model is built and loaded with. After loading, a
+CPU float32 model swaps each of them for a ``PackedLinear`` holding the same weight packed
+into 16-column panels (``vgraph::packed_linear``, see ops/linear.py for why) and drops the
+unpacked copy, so memory does not double. Loading again unpacks first, so a model can be
+reloaded in place. A tied ``lm_head`` is left alone: it shares the embedding's storage, and
+packing it would copy what is often the largest matrix of a small model.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
+from vgraph.ops.linear import pack_weight, unpack_weight
+
+
+def empty_parameter(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
+    # Uninitialized: every weight is overwritten by load_weights, and random init of a
+    # multi-GB model would cost seconds for nothing.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T (+ b)`` with uninitialized parameters."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: Any) -> None:
+        super().__init__()
+        self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several projections of one input stacked on the output dim, run as one GEMM.
+
+    ``shards`` names each part and its output size in order; the loader copies each HF
+    weight into its row range.
+    """
+
+    def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool,
+                 dtype: torch.dtype, device: Any) -> None:
+        super().__init__(in_features, sum(size for _, size in shards), bias, dtype, device)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shards:
+            self.shards[name] = (start, size)
+            start += size
+
+    def shard_view(self, param_name: str, shard: str) -> Tensor:
+        """Where the loader copies ``shard``'s rows of ``param_name`` (weight or bias)."""
+        start, size = self.shards[shard]
+        return getattr(self, param_name).data.narrow(0, start, size)
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T (+ b)`` with ``W`` stored packed; ``weight`` unpacks a copy for inspection.
+
+    ``shards`` is kept from a ``MergedLinear`` so that ``unpack`` rebuilds the same module.
+    """
+
+    def __init__(self, source: Linear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = source.weight.shape
+        self.shards: Optional[dict[str, tuple[int, int]]] = getattr(source, "shards", None)
+        self.weight_packed = nn.Parameter(pack_weight(source.weight), requires_grad=False)
+        self.bias = source.bias
+
+    @property
+    def weight(self) -> Tensor:
+        return unpack_weight(self.weight_packed.data, self.out_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.vgraph.packed_linear(x, self.weight_packed, self.bias, self.out_features)
+
+    def unpack(self) -> Linear:
+        """The ``Linear`` (or ``MergedLinear``) this was packed from, with the same values."""
+        device, bias = self.weight_packed.device, self.bias is not None
+        if self.shards is None:
+            module = Linear(self.in_features, self.out_features, bias, torch.float32, device)
+        else:
+            shards = [(name, size) for name, (_, size) in self.shards.items()]
+            module = MergedLinear(self.in_features, shards, bias, torch.float32, device)
+        module.weight.data.copy_(self.weight)
+        module.bias = self.bias
+        return module
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent), child, module)
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module, skip: set[str]) -> int:
+    """Packs every float32 ``Linear`` (fused ones included) not named in ``skip``; returns
+    how many were packed."""
+    packed = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and name not in skip and module.weight.dtype == torch.float32:
+            _swap(model, name, PackedLinear(module))
+            packed += 1
+    return packed
+
+
+@torch.no_grad()
+def unpack_linears(model: nn.Module) -> None:
+    """Undoes ``pack_linears`` (before loading weights into the model again)."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, PackedLinear):
+            _swap(model, name, module.unpack())
