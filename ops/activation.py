@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import activation as kernels
+from .registration import vgraph_op
 
 
 def _check_even(x: Tensor) -> int:
@@ -19,7 +20,7 @@ def silu_and_mul_reference(x: Tensor) -> Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
-@torch.library.custom_op("vgraph::silu_and_mul", mutates_args=())
+@vgraph_op("vgraph::silu_and_mul", mutates_args=())
 def silu_and_mul(x: Tensor) -> Tensor:
     """``silu(x[..., :d]) * x[..., d:]`` for x of last dim 2d."""
     return silu_and_mul_reference(x)

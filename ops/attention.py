@@ -25,6 +25,7 @@ from torch import Tensor
 from . import cpu_attention
 from .kernels import attention as kernels
 from .kv_cache import check_kv_cache_pair
+from .registration import vgraph_op
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -141,7 +142,7 @@ def _check_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
-@torch.library.custom_op("vgraph::paged_attention", mutates_args=())
+@vgraph_op("vgraph::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
                     softmax_scale: float) -> Tensor:
@@ -181,7 +182,7 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                              seq_lens, max_query_len, softmax_scale)
 
 
-@torch.library.custom_op("vgraph::paged_attention_decode_split_kv", mutates_args=())
+@vgraph_op("vgraph::paged_attention_decode_split_kv", mutates_args=())
 def paged_attention_decode_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                     block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
                                     num_splits: int) -> Tensor:

@@ -13,16 +13,13 @@ path (to compare the two, or to rule the kernel out).
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .native_build import NativeBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from .native_build import NativeBuildError, NativeKernel
 
 # Longest query segment the kernel takes: every query vector of a (segment, KV head) pair is
 # scored against each K row while it is in L1. Past a few rows, SDPA's GEMM-shaped kernel is
@@ -50,30 +47,18 @@ class _Args(ctypes.Structure):
     ]
 
 
-class _Kernel:
-    """The loaded library, or why there is none; loaded once per process."""
-
-    def __init__(self) -> None:
-        self.function = None
-        self.unavailable: str | None = None
-
-    def load(self):
-        if self.function is None and self.unavailable is None:
-            try:
-                lib = load_library("paged_attention_cpu")
-                if lib.vgraph_paged_attention_args_size() != ctypes.sizeof(_Args):
-                    raise NativeBuildError("the C++ argument struct and its ctypes mirror differ")
-                lib.vgraph_paged_attention.argtypes = [ctypes.POINTER(_Args)]
-                lib.vgraph_paged_attention.restype = ctypes.c_int64
-                self.function = lib.vgraph_paged_attention
-            except NativeBuildError as exc:
-                self.unavailable = str(exc)
-                logger.warning("CPU paged attention falls back to the torch path for all "
-                               "rows (slower decode): %s", exc)
-        return self.function
+def _struct_problem(lib: ctypes.CDLL) -> str | None:
+    if lib.vgraph_paged_attention_args_size() != ctypes.sizeof(_Args):
+        return "the C++ argument struct and its ctypes mirror differ"
+    return None
 
 
-_KERNEL = _Kernel()
+def _kernel() -> NativeKernel:
+    return NativeKernel("paged_attention_cpu", "vgraph_paged_attention", [ctypes.POINTER(_Args)],
+                        ctypes.c_int64, "CPU decode attention (in place)", _struct_problem)
+
+
+_KERNEL = _kernel()
 
 
 def enabled() -> bool:

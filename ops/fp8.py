@@ -13,6 +13,7 @@ from torch import Tensor
 
 from .kernels import fp8 as kernels
 from .kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from .registration import vgraph_op
 
 
 def check_static_scale(scale: Tensor) -> None:
@@ -31,7 +32,7 @@ def dynamic_per_token_scaled_fp8_quant_reference(x: Tensor) -> tuple[Tensor, Ten
     return (xf / scales).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scales
 
 
-@torch.library.custom_op("vgraph::static_scaled_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::static_scaled_fp8_quant", mutates_args=())
 def static_scaled_fp8_quant(x: Tensor, scale: Tensor) -> Tensor:
     """Quantizes with one per-tensor scale: ``clamp(x / scale, -448, 448)`` as e4m3."""
     check_static_scale(scale)
@@ -54,7 +55,7 @@ def _check_rows(x: Tensor) -> None:
         raise ValueError(f"per-token quantization needs a non-empty last dim; got {tuple(x.shape)}")
 
 
-@torch.library.custom_op("vgraph::dynamic_per_token_scaled_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::dynamic_per_token_scaled_fp8_quant", mutates_args=())
 def dynamic_per_token_scaled_fp8_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """Quantizes each row with its own scale; returns ``(q, scales[..., 1])``."""
     _check_rows(x)
@@ -119,7 +120,7 @@ def _scaled_mm(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
                             out_dtype=out_dtype)
 
 
-@torch.library.custom_op("vgraph::fp8_gemm", mutates_args=())
+@vgraph_op("vgraph::fp8_gemm", mutates_args=())
 def fp8_gemm(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
              bias: Optional[Tensor] = None) -> Tensor:
     """``(a * a_scale) @ (w * w_scale).T + bias`` for e4m3 ``a [M, K]`` and ``w [N, K]``."""

@@ -15,6 +15,7 @@ from .kernels import activation as act_kernels
 from .kernels import norm as norm_kernels
 from .kernels.common import FP8_DTYPE
 from .norm import fused_add_rms_norm_reference, rms_norm_reference
+from .registration import vgraph_op
 
 
 def rms_norm_static_fp8_quant_reference(x: Tensor, weight: Tensor, scale: Tensor,
@@ -41,7 +42,7 @@ def _fp8_like(x: Tensor) -> Tensor:
     return torch.empty_like(x, dtype=FP8_DTYPE)
 
 
-@torch.library.custom_op("vgraph::rms_norm_static_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::rms_norm_static_fp8_quant", mutates_args=())
 def rms_norm_static_fp8_quant(x: Tensor, weight: Tensor, scale: Tensor, eps: float) -> Tensor:
     """``static_scaled_fp8_quant(rms_norm(x, weight, eps), scale)`` in one pass."""
     check_static_scale(scale)
@@ -59,7 +60,7 @@ def _(x: Tensor, weight: Tensor, scale: Tensor, eps: float) -> Tensor:
     return norm_kernels.rms_norm_triton(x, weight, eps, quant=norm_kernels.QUANT_STATIC, scale=scale)
 
 
-@torch.library.custom_op("vgraph::fused_add_rms_norm_static_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::fused_add_rms_norm_static_fp8_quant", mutates_args=())
 def fused_add_rms_norm_static_fp8_quant(x: Tensor, residual: Tensor, weight: Tensor,
                                         scale: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``fused_add_rms_norm`` then static fp8 quant of the normed output; returns (q, residual')."""
@@ -79,7 +80,7 @@ def _(x: Tensor, residual: Tensor, weight: Tensor, scale: Tensor, eps: float) ->
                                         quant=norm_kernels.QUANT_STATIC, scale=scale)
 
 
-@torch.library.custom_op("vgraph::rms_norm_dynamic_per_token_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::rms_norm_dynamic_per_token_fp8_quant", mutates_args=())
 def rms_norm_dynamic_per_token_fp8_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``rms_norm`` then per-token dynamic fp8 quant; returns (q, scales[..., 1])."""
     return rms_norm_dynamic_per_token_fp8_quant_reference(x, weight, eps)
@@ -95,7 +96,7 @@ def _(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     return norm_kernels.rms_norm_triton(x, weight, eps, quant=norm_kernels.QUANT_DYNAMIC)
 
 
-@torch.library.custom_op("vgraph::silu_and_mul_static_fp8_quant", mutates_args=())
+@vgraph_op("vgraph::silu_and_mul_static_fp8_quant", mutates_args=())
 def silu_and_mul_static_fp8_quant(x: Tensor, scale: Tensor) -> Tensor:
     """``static_scaled_fp8_quant(silu_and_mul(x), scale)`` in one pass."""
     check_static_scale(scale)

@@ -7,10 +7,14 @@ so it declares ``k_cache`` and ``v_cache`` as mutated and returns nothing.
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
 from .kernels import kv_cache as kernels
+from .native_build import NativeKernel
+from .registration import vgraph_op
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -55,7 +59,7 @@ def reshape_and_cache_reference(key: Tensor, value: Tensor, k_cache: Tensor, v_c
     v_cache[blocks, offsets] = value[valid]
 
 
-@torch.library.custom_op("vgraph::reshape_and_cache", mutates_args=("k_cache", "v_cache"))
+@vgraph_op("vgraph::reshape_and_cache", mutates_args=("k_cache", "v_cache"))
 def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor,
                       slot_mapping: Tensor) -> None:
     """Writes key/value [T, Hkv, D] into the paged caches at ``slot_mapping``; -1 = skip."""
@@ -65,6 +69,41 @@ def reshape_and_cache(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tens
 @reshape_and_cache.register_fake
 def _(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     _check_inputs(key, value, k_cache, v_cache, slot_mapping)
+
+
+def _native_kernel() -> NativeKernel:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return NativeKernel("kv_cache_cpu", "vgraph_reshape_and_cache",
+                        [ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32,
+                         i64, i64, i64, i64, i64, i64], i64, "CPU reshape_and_cache")
+
+
+_NATIVE = _native_kernel()
+
+
+def _native_applies(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Row copies need unit-stride head_dim everywhere and one stride set per pair."""
+    return (key.stride() == value.stride() and k_cache.stride() == v_cache.stride()
+            and key.stride(-1) == 1 and k_cache.stride(-1) == 1)
+
+
+@reshape_and_cache.register_kernel("cpu")
+def _(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    _check_inputs(key, value, k_cache, v_cache, slot_mapping)
+    function = _NATIVE.load()
+    if function is None or not _native_applies(key, value, k_cache, v_cache):
+        reshape_and_cache_reference(key, value, k_cache, v_cache, slot_mapping)
+        return
+    slots = slot_mapping.contiguous()
+    failed = function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
+                      k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+                      slots.data_ptr(), int(slots.dtype == torch.int64), key.shape[0],
+                      key.shape[1], key.shape[2], key.element_size(), k_cache.shape[1],
+                      k_cache.shape[0])
+    if failed:
+        token = int(failed) - 1
+        raise ValueError(f"slot {int(slots[token])} of token {token} is outside the cache's "
+                         f"{k_cache.shape[0] * k_cache.shape[1]} slots")
 
 
 @reshape_and_cache.register_kernel("cuda")

@@ -13,7 +13,6 @@ without the kernel, and is the oracle in tests.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from typing import Optional
 
@@ -21,9 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .native_build import NativeBuildError, load_library
-
-logger = logging.getLogger(__name__)
+from .native_build import NativeKernel
+from .registration import vgraph_op
 
 PANEL = 16
 ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
@@ -48,32 +46,21 @@ def packed_linear_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor],
     return F.linear(x, unpack_weight(packed, out_features).to(x.dtype), bias)
 
 
-class _Kernel:
-    """The loaded library, or why there is none; loaded once per process."""
-
-    def __init__(self) -> None:
-        self.function = None
-        self.unavailable: Optional[str] = None
-
-    def load(self):
-        if self.function is None and self.unavailable is None:
-            try:
-                lib = load_library("linear_cpu")
-                if lib.vgraph_linear_panel_width() != PANEL:
-                    raise NativeBuildError("linear_cpu.cpp's panel width differs from PANEL")
-                fn = lib.vgraph_linear
-                fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_int32]
-                fn.restype = None
-                self.function = fn
-            except NativeBuildError as exc:
-                self.unavailable = str(exc)
-                logger.warning("packed CPU linear unavailable, projections keep F.linear: %s", exc)
-        return self.function
+def _panel_width_problem(lib: ctypes.CDLL) -> Optional[str]:
+    if lib.vgraph_linear_panel_width() != PANEL:
+        return "linear_cpu.cpp's panel width differs from PANEL"
+    return None
 
 
-_KERNEL = _Kernel()
+def _kernel() -> NativeKernel:
+    return NativeKernel(
+        "linear_cpu", "vgraph_linear",
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32],
+        None, "the packed CPU linear", _panel_width_problem)
+
+
+_KERNEL = _kernel()
 
 
 def packing_enabled() -> bool:
@@ -95,7 +82,7 @@ def _check(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int)
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({out_features},)")
 
 
-@torch.library.custom_op("vgraph::packed_linear", mutates_args=())
+@vgraph_op("vgraph::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
     """``x [..., K] @ W^T + bias`` -> ``[..., out_features]`` with W given packed."""
     _check(x, packed, bias, out_features)

@@ -24,6 +24,7 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -126,3 +127,31 @@ def load_library(name: str) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {path}: {exc}") from exc
+
+
+class NativeKernel:
+    """One function of a kernel library, loaded on first use; ``load()`` returns it, or None
+    when the library cannot be built here (logged once, so callers use their torch path)."""
+
+    def __init__(self, library: str, function: str, argtypes: list, restype: Any,
+                 purpose: str, check: Optional[Callable[[ctypes.CDLL], Optional[str]]] = None) -> None:
+        self.library, self.function_name = library, function
+        self.argtypes, self.restype = argtypes, restype
+        self.purpose, self.check = purpose, check
+        self.function: Optional[Callable] = None
+        self.unavailable: Optional[str] = None
+
+    def load(self) -> Optional[Callable]:
+        if self.function is None and self.unavailable is None:
+            try:
+                lib = load_library(self.library)
+                problem = self.check(lib) if self.check is not None else None
+                if problem:
+                    raise NativeBuildError(problem)
+                function = getattr(lib, self.function_name)
+                function.argtypes, function.restype = self.argtypes, self.restype
+                self.function = function
+            except NativeBuildError as exc:
+                self.unavailable = str(exc)
+                logger.warning("%s falls back to its torch implementation: %s", self.purpose, exc)
+        return self.function

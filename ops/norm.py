@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .kernels import norm as kernels
+from .registration import vgraph_op
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -23,7 +24,7 @@ def fused_add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor,
     return rms_norm_reference(new_residual, weight, eps), new_residual
 
 
-@torch.library.custom_op("vgraph::rms_norm", mutates_args=())
+@vgraph_op("vgraph::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over the last dim: ``weight * (x / rms(x))``."""
     return rms_norm_reference(x, weight, eps)
@@ -39,7 +40,7 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return kernels.rms_norm_triton(x, weight, eps)
 
 
-@torch.library.custom_op("vgraph::fused_add_rms_norm", mutates_args=())
+@vgraph_op("vgraph::fused_add_rms_norm", mutates_args=())
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
                        eps: float) -> tuple[Tensor, Tensor]:
     """``residual' = x + residual`` then RMSNorm of it; returns ``(normed, residual')``."""

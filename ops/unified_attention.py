@@ -14,6 +14,7 @@ from torch import Tensor
 from . import attention as _attention  # noqa: F401  (registers the ops called below)
 from . import kv_cache as _kv_cache  # noqa: F401
 from .forward_context import AttentionMetadata, get_forward_context
+from .registration import vgraph_op
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -57,7 +58,7 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata
 # captured graph's inputs to (q, k, v) — no per-layer cache tensors threaded through the
 # graph — and the op is opaque to the compiler (it is the split point), so nothing is
 # reordered across the write. The only tensors the op takes, q/k/v, it does not modify.
-@torch.library.custom_op("vgraph::unified_attention", mutates_args=())
+@vgraph_op("vgraph::unified_attention", mutates_args=())
 def unified_attention(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor:
     """Cache write + paged attention for layer ``layer_idx``, driven by the forward context.
 

@@ -20,8 +20,8 @@ def _cmd_ops(args: argparse.Namespace) -> int:
     if args.action == "list":
         import torch
 
-        import vgraph.ops  # noqa: F401
-        for name in sorted(n for n in dir(torch.ops.vgraph) if not n.startswith("_") and n != "name"):
+        from vgraph.ops.registration import defined_ops
+        for name in defined_ops():
             print(getattr(torch.ops.vgraph, name).default._schema)
         return 0
     return _ops_check(args.device)

@@ -79,7 +79,7 @@ def test_the_cpu_kernel_runs_and_other_dtypes_use_the_reference(monkeypatch):
 
 
 def test_without_the_kernel_the_op_falls_back_to_the_reference(monkeypatch):
-    missing = linear._Kernel()
+    missing = linear._kernel()
     missing.unavailable = "no compiler (test)"
     monkeypatch.setattr(linear, "_KERNEL", missing)
     w, x = torch.randn(24, 32), torch.randn(4, 32)
