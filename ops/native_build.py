@@ -13,6 +13,7 @@ temporary directory for this process instead.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import logging
@@ -51,10 +52,17 @@ def kernel_cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
+def _run_compiler(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Runs the compiler; a missing or hung compiler is a NativeBuildError, not a cache problem."""
+    try:
+        return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeBuildError(f"cannot run the C++ compiler {args[0]}: {exc}") from exc
+
+
 @lru_cache(maxsize=None)
 def _compiler_version(cxx: str) -> str:
-    result = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
-    return result.stdout
+    return _run_compiler([cxx, "--version"], timeout=60).stdout
 
 
 def _cpu_features() -> str:
@@ -80,8 +88,7 @@ def _compile(cxx: str, source_file: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run([cxx, *FLAGS, str(source_file), "-o", tmp],
-                                capture_output=True, text=True, timeout=600)
+        result = _run_compiler([cxx, *FLAGS, str(source_file), "-o", tmp], timeout=600)
         if result.returncode != 0:
             raise NativeBuildError(f"{cxx} failed to build {source_file.name}:\n"
                                    f"{result.stderr.strip()[-2000:]}")
@@ -94,8 +101,9 @@ def _compile(cxx: str, source_file: Path, target: Path) -> None:
 def _build(name: str, cxx: str, source_file: Path, source: str) -> Path:
     key = library_key(source, cxx)
     for directory in (kernel_cache_dir(), None):
-        if directory is None:
+        if directory is None:  # private to this process, removed at exit
             directory = Path(tempfile.mkdtemp(prefix="vgraph-kernels-"))
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
         target = directory / f"{name}-{key}.so"
         if target.is_file():
             return target
@@ -140,18 +148,25 @@ class NativeKernel:
         self.purpose, self.check = purpose, check
         self.function: Optional[Callable] = None
         self.unavailable: Optional[str] = None
+        self._lock = threading.Lock()
 
     def load(self) -> Optional[Callable]:
-        if self.function is None and self.unavailable is None:
-            try:
-                lib = load_library(self.library)
-                problem = self.check(lib) if self.check is not None else None
-                if problem:
-                    raise NativeBuildError(problem)
-                function = getattr(lib, self.function_name)
-                function.argtypes, function.restype = self.argtypes, self.restype
-                self.function = function
-            except NativeBuildError as exc:
-                self.unavailable = str(exc)
-                logger.warning("%s falls back to its torch implementation: %s", self.purpose, exc)
+        if self.function is not None or self.unavailable is not None:
+            return self.function
+        with self._lock:  # one build attempt and at most one warning, whatever the threads
+            if self.function is None and self.unavailable is None:
+                self._load_locked()
         return self.function
+
+    def _load_locked(self) -> None:
+        try:
+            lib = load_library(self.library)
+            problem = self.check(lib) if self.check is not None else None
+            if problem:
+                raise NativeBuildError(problem)
+            function = getattr(lib, self.function_name)
+            function.argtypes, function.restype = self.argtypes, self.restype
+            self.function = function
+        except NativeBuildError as exc:
+            self.unavailable = str(exc)
+            logger.warning("%s falls back to its torch implementation: %s", self.purpose, exc)

@@ -25,6 +25,7 @@ namespace {
 constexpr int kPanel = 16;     // output columns per packed panel
 constexpr int kTileRows = 6;   // rows of x per register tile
 constexpr int64_t kChunkBytes = 96 * 1024;  // x rows re-read per panel stay in L2
+constexpr int64_t kParallelWork = int64_t{1} << 18;  // multiply-adds
 
 #if defined(__AVX2__) && defined(__FMA__)
 template <int Rows>
@@ -126,11 +127,14 @@ void vgraph_linear_pack(const float* weight, int64_t n, int64_t k, float* packed
 void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* packed,
                    int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  // A parallel region costs microseconds (and far more when another process holds a core
+  // and the team waits for it); below this much work one thread is faster.
+  const bool parallel = num_threads > 1 && panels > 1 && m * n * k >= kParallelWork;
   const int64_t chunk = std::max<int64_t>(
       kTileRows, kChunkBytes / std::max<int64_t>(1, k * 4) / kTileRows * kTileRows);
   for (int64_t row = 0; row < m; row += chunk) {
     const int64_t rows = std::min(chunk, m - row);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && panels > 1)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
     for (int64_t p = 0; p < panels; ++p) {
       const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
       panel_rows(x + row * ldx, ldx, rows, packed + p * k * kPanel, k,

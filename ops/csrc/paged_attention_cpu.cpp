@@ -412,16 +412,21 @@ int64_t vgraph_paged_attention_args_size() { return sizeof(PagedAttentionArgs); 
 // chunks, so that every thread has work.
 int64_t vgraph_paged_attention(const PagedAttentionArgs* args) {
   const PagedAttentionArgs& a = *args;
+  // A parallel region costs microseconds (far more when another process holds a core and
+  // the team waits for it): small batches run on one thread.
+  int64_t work = 0;
+  for (int64_t i = 0; i < a.num_segments; ++i) work += a.segments[4 * i + 2] * a.segments[4 * i + 3];
+  const int num_threads = work * a.q_heads * a.head_dim >= (int64_t{1} << 18) ? a.num_threads : 1;
   int64_t chunks = 1;
-  if (a.num_threads > 1 && a.num_segments < 2 * a.num_threads) {
-    chunks = std::min<int64_t>(a.kv_heads, (2 * a.num_threads + a.num_segments - 1) /
+  if (num_threads > 1 && a.num_segments < 2 * num_threads) {
+    chunks = std::min<int64_t>(a.kv_heads, (2 * num_threads + a.num_segments - 1) /
                                                std::max<int64_t>(a.num_segments, 1));
   }
   const int64_t per_chunk = (a.kv_heads + chunks - 1) / chunks;
   chunks = (a.kv_heads + per_chunk - 1) / per_chunk;
   const int64_t items = a.num_segments * chunks;
   int64_t error = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a.num_threads) if (a.num_threads > 1 && items > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && items > 1)
   for (int64_t item = 0; item < items; ++item) {
     const int begin = static_cast<int>((item % chunks) * per_chunk);
     const int end = static_cast<int>(std::min<int64_t>(a.kv_heads, begin + per_chunk));
