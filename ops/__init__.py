@@ -1,14 +1,16 @@
 """vgraph's custom ops, registered under ``torch.ops.vgraph`` on import.
 
-Each op has a schema, a fake (meta) implementation for tracing, a CPU implementation in
-plain torch, and a CUDA implementation that runs a Triton kernel. The plain-torch
-``*_reference`` functions define each op's numerics and are the test oracle; for most ops
-they are the CPU implementation itself, while paged attention has a batched CPU kernel
-(ops/cpu_attention.py) checked against its readable per-sequence reference. Two CPU hot
-spots have C++ kernels (ops/csrc, built on first use by ops/native_build.py): decode
-attention read in place from the paged cache, and ``packed_linear``, a float32 GEMM over
-weights packed into column panels. This package depends on torch and triton only, so
-fusion-pass research can use it on any model.
+Each op has a schema, a fake (meta) implementation for tracing, a default implementation in
+plain torch, and a CUDA implementation that runs a Triton kernel. Ops are defined straight
+on the dispatcher (``registration.vgraph_op``), which costs a few microseconds per call where
+``torch.library.custom_op``'s wrapper cost tens. The plain-torch ``*_reference`` functions
+define each op's numerics and are the test oracle; for most ops they are the CPU
+implementation itself. The CPU hot spots of a decode step have their own kernels, checked
+against the references: paged attention (ops/cpu_attention.py: decode rows in C++, read in
+place from the paged cache; longer prefills gathered and run through SDPA), the KV-cache
+write, and ``packed_linear``, a float32 GEMM over weights packed into column panels. The C++
+sources live in ops/csrc and are built on first use by ops/native_build.py. This package
+depends on torch and triton only, so fusion-pass research can use it on any model.
 """
 from __future__ import annotations
 

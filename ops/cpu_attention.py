@@ -229,13 +229,14 @@ def check_block_table_width(segments: list[Segment], block_table: Tensor, block_
 
 def attend_short_segments_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                    block_table: Tensor, segments: list[Segment],
-                                   scale: float) -> tuple[Tensor, list[Segment]]:
+                                   scale: float, native_kernel: bool = True
+                                   ) -> tuple[Tensor, list[Segment]]:
     """Runs the C++ in-place kernel on the segments of at most ``MAX_QUERY_ROWS`` rows.
 
     Returns the output (zeros outside those segments' rows) and the segments left for the
     SDPA path: all of them when the kernel is off, unavailable or the inputs do not suit it.
     """
-    if not (segments and native.supports(q, k_cache) and native.enabled()):
+    if not (native_kernel and segments and native.supports(q, k_cache) and native.enabled()):
         return q.new_zeros(q.shape), segments
     short = [s for s in segments if s.q_len <= native.MAX_QUERY_ROWS]
     if not short:
@@ -250,8 +251,11 @@ def attend_short_segments_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor,
 def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                         query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
                         softmax_scale: float, pair_budget: int = PAIR_BUDGET,
-                        kv_budget_bytes: int = KV_BUDGET_BYTES) -> Tensor:
+                        kv_budget_bytes: int = KV_BUDGET_BYTES, native_kernel: bool = True) -> Tensor:
     """Same contract and results as ``paged_attention_reference``, batched over sequences.
+
+    Segments of at most ``MAX_QUERY_ROWS`` rows go to the in-place C++ kernel unless
+    ``native_kernel`` is False (the perf suite times both paths).
 
     Shapes and dtypes are checked by the caller (the op registration); the metadata is read
     on the host here, which is cheap on CPU and lets the batch be grouped by length.
@@ -259,7 +263,7 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     segments = sequence_segments(query_start_loc, seq_lens, q.shape[0], max_query_len)
     check_block_table_width(segments, block_table, k_cache.shape[1])
     out, segments = attend_short_segments_in_place(q, k_cache, v_cache, block_table, segments,
-                                                   softmax_scale)
+                                                   softmax_scale, native_kernel)
     tiles = [tile for seg in segments for tile in tile_segment(seg, pair_budget)]
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     kv_rows_budget = kv_budget_bytes // row_bytes

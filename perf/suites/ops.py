@@ -1,7 +1,9 @@
 """Op benchmark: each vgraph op (``torch.ops.vgraph.<op>``: the Triton kernel on CUDA, the
 plain-torch CPU implementation on CPU) vs its plain-torch reference in eager mode and vs
 ``torch.compile`` of that reference (Inductor's own code: custom ops off), per shape; every
-fused op also vs the unfused sequence it replaces. Attention rows come from ops_attention.
+fused op also vs the unfused sequence it replaces. Attention rows come from ops_attention;
+on CPU, ``linear_*`` rows time the packed float32 GEMM (``vgraph::packed_linear``) against
+``F.linear``, and the attention rows also time the gather+SDPA path the C++ kernel replaced.
 
 Variants per op and shape:
 
@@ -39,7 +41,7 @@ UNFUSED_DESCRIPTION = {
     "silu_and_mul_static_fp8_quant": "vgraph silu_and_mul, then vgraph static_scaled_fp8_quant",
 }
 
-COLUMN_ORDER = ["vgraph", "vgraph_split_kv", "unfused", "torch_eager", "torch_compiled", "sdpa_contiguous"]
+COLUMN_ORDER = ["vgraph", "vgraph_split_kv", "vgraph_gather_sdpa", "unfused", "torch_eager", "torch_compiled", "sdpa_contiguous"]
 
 
 def _shapes(device: str) -> tuple[list[int], int, int]:
@@ -72,7 +74,7 @@ def _families(tokens: int, hidden: int, inter: int, dtype: torch.dtype, device: 
         "silu_and_mul_static_fp8_quant": (fused_quant.silu_and_mul_static_fp8_quant_reference, (gu, s)),
     }
     unfused = _unfused(x, r, w, gu, s, inter)
-    families = {}
+    families = _linear_families(x, hidden, inter) if device == "cpu" else {}
     for name, (ref, args) in refs.items():
         op = getattr(torch.ops.vgraph, name)
         compiled = _compiled(ref)
@@ -81,6 +83,25 @@ def _families(tokens: int, hidden: int, inter: int, dtype: torch.dtype, device: 
             families[name]["unfused"] = unfused[name]
         families[name]["torch_eager"] = lambda ref=ref, args=args: ref(*args)
         families[name]["torch_compiled"] = lambda c=compiled, args=args: c(*args)
+    return families
+
+
+def _linear_families(x: torch.Tensor, hidden: int, inter: int) -> dict[str, dict[str, Variant]]:
+    """CPU float32 projections: vgraph's packed GEMM (``vgraph::packed_linear``, what CPU
+    float32 models run) vs ``F.linear`` eager and compiled, on the gate_up and down shapes."""
+    from vgraph.ops.linear import pack_weight
+    families = {}
+    for name, out_features, in_features in (("linear_gate_up", 2 * inter, hidden),
+                                            ("linear_down", hidden, inter)):
+        weight = torch.randn(out_features, in_features) * 0.02
+        rows = torch.randn(x.shape[0], in_features)
+        packed = pack_weight(weight)
+        compiled = _compiled(F.linear)
+        families[name] = {
+            "vgraph": lambda rows=rows, p=packed, n=out_features: torch.ops.vgraph.packed_linear(rows, p, None, n),
+            "torch_eager": lambda rows=rows, w=weight: F.linear(rows, w),
+            "torch_compiled": lambda c=compiled, rows=rows, w=weight: c(rows, w),
+        }
     return families
 
 

@@ -1,9 +1,10 @@
 """Attention rows of the op benchmark: a decode batch of ``tokens`` sequences.
 
 Variants: **torch_eager**, the plain-torch paged reference (one sequence at a time);
-**vgraph**, ``torch.ops.vgraph.paged_attention`` (the batched CPU kernel the engine runs on CPU,
-the unified Triton kernel on CUDA); CUDA only **vgraph_split_kv** (the split-KV decode kernel,
-8 splits); **sdpa_contiguous**, SDPA over K/V already gathered into a contiguous padded batch
+**vgraph**, ``torch.ops.vgraph.paged_attention`` (on CPU the C++ kernel that reads the paged
+cache in place, on CUDA the unified Triton kernel); CPU only **vgraph_gather_sdpa** (the
+batched torch path it replaced for decode rows: gather K/V into a copy, then SDPA); CUDA only
+**vgraph_split_kv** (the split-KV decode kernel, 8 splits); **sdpa_contiguous**, SDPA over K/V already gathered into a contiguous padded batch
 (what an unpaged runtime runs; it excludes the gather). Batches above ``MAX_SEQS`` sequences
 are skipped (the largest decode bucket; the reference's per-sequence loop makes them slow).
 """
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from vgraph.ops.attention import gather_kv, paged_attention_reference
 from vgraph.ops.attention_batch import random_paged_batch
+from vgraph.ops.cpu_attention import paged_attention_cpu
 
 
 MAX_SEQS = 256
@@ -57,6 +59,8 @@ def families(tokens: int, dtype: torch.dtype, device: str) -> dict:
         variants["vgraph_split_kv"] = lambda: vg.paged_attention_decode_split_kv(
             batch.q, batch.k_cache, batch.v_cache, batch.block_table, batch.seq_lens,
             batch.softmax_scale, 8)
+    else:  # the batched torch path the C++ kernel replaced for decode rows: gather, then SDPA
+        variants["vgraph_gather_sdpa"] = lambda: paged_attention_cpu(*args, native_kernel=False)
     variants["torch_eager"] = lambda: paged_attention_reference(*args)
     variants["sdpa_contiguous"] = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     return {f"paged_attention_decode_ctx{context}": variants}

@@ -25,8 +25,10 @@ MAX_SEQS = 40  # decode buckets 1, 2, 4, 8, 16, 24, 32, 40
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
+    # Set explicitly: on CPU the default mode is none (no graphs, so no padding).
     return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=256,
-               max_num_seqs=MAX_SEQS, max_num_batched_tokens=512)
+               max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
+               compile_config=CompileConfig(cudagraph_mode="full_and_piecewise"))
 
 
 @pytest.fixture(scope="module")

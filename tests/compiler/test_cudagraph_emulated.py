@@ -54,7 +54,8 @@ def emulated():
     patch.setattr(cudagraph, "_record", _record)
     llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=256,
               max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
-              compile_config=CompileConfig(cudagraph_capture_sizes=SIZES))
+              compile_config=CompileConfig(cudagraph_mode="full_and_piecewise",
+                                           cudagraph_capture_sizes=SIZES))
     report = llm.engine.runner._capture_graphs(pool=None)
     yield llm, report
     patch.undo()

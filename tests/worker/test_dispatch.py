@@ -53,6 +53,8 @@ def test_sizes_can_be_overridden_and_are_validated():
 
 def test_mode_resolution():
     assert resolve_mode(CompileConfig()) is BOTH
+    assert resolve_mode(CompileConfig(), "cpu") is CudaGraphMode.NONE, "no graphs: no padding"
+    assert resolve_mode(CompileConfig(cudagraph_mode="full"), "cpu") is CudaGraphMode.FULL
     assert resolve_mode(CompileConfig(level="none")) is CudaGraphMode.NONE, "eager: no graphs"
     assert resolve_mode(CompileConfig(cudagraph_mode="piecewise")) is CudaGraphMode.PIECEWISE
     with pytest.raises(ValueError, match="cudagraph_mode"):

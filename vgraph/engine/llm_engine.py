@@ -95,7 +95,7 @@ class LLMEngine:
     def _plan_graphs(self) -> None:
         """The dispatcher's mode and buckets, known before memory is planned."""
         sched = self.config.scheduler
-        self.cudagraph_mode = resolve_mode(self.config.compile)
+        self.cudagraph_mode = resolve_mode(self.config.compile, self.device.type)
         self.cudagraph_buckets = capture_sizes(self.config.compile, sched.max_num_seqs, sched.max_num_batched_tokens)
         self.cudagraph_report: Optional[CaptureReport] = None
         self._graph_reserve = 0
@@ -127,7 +127,8 @@ class LLMEngine:
     def _set_up_graphs(self, runner: ModelRunner) -> None:
         mode, buckets = self.cudagraph_mode, self.cudagraph_buckets
         if mode is CudaGraphMode.NONE:
-            logger.info("CUDA graphs off (cudagraph_mode=none): every batch runs the compiled forward unpadded")
+            logger.info("no CUDA graphs (cudagraph_mode=none%s): every batch runs the compiled forward "
+                        "unpadded", "" if self.device.type == "cuda" else f", the default on {self.device.type}")
             return
         runner.enable_buckets(mode, buckets, self.max_model_len)
         report = runner.capture_cudagraphs()

@@ -10,7 +10,8 @@ Three paths, as in vLLM:
   for T' and attention runs eagerly between the pieces.
 - NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded.
 
-Without CUDA the same decisions and the same padding run and each bucket is the compiled
+Without CUDA the default mode is NONE (padding would only add work); with a mode set
+explicitly the same decisions and the same padding run and each bucket is the compiled
 forward at the padded size, so this logic is tested on every machine.
 
 Capture sizes default to ``[1, 2, 4] + range(8, max_capture_size + 1, 8)``. The scheduler
@@ -57,12 +58,15 @@ class Path(str, enum.Enum):
 DEFAULT_MODE = CudaGraphMode.FULL_AND_PIECEWISE
 
 
-def resolve_mode(config: CompileConfig) -> CudaGraphMode:
-    """The effective mode: graphs need the compiled forward, so eager means none."""
+def resolve_mode(config: CompileConfig, device_type: str = "cuda") -> CudaGraphMode:
+    """The effective mode: graphs need the compiled forward, so eager means none. Unset, it
+    is FULL_AND_PIECEWISE on CUDA and NONE elsewhere: without graphs, padding a batch up to a
+    bucket only adds rows to compute (a 17-sequence decode would run as 24). Set explicitly,
+    the same buckets and padding run on CPU as on CUDA, which is how the tests exercise them."""
     if config.level == "none":
         return CudaGraphMode.NONE
     if config.cudagraph_mode is None:
-        return DEFAULT_MODE
+        return DEFAULT_MODE if device_type == "cuda" else CudaGraphMode.NONE
     try:
         return CudaGraphMode(config.cudagraph_mode)
     except ValueError:
