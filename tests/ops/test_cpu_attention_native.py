@@ -172,7 +172,7 @@ def test_kernel_writes_exactly_its_segments_rows(dtype):
 @requires_compiler
 @pytest.mark.parametrize("head_dim", [7, 17, 40, 129])
 def test_head_dims_off_the_vector_width(routes, head_dim):
-    """Scalar tails of the dot product and the V accumulation (the AVX2 loops take 16 and 8)."""
+    """Scalar tails of the dot products and the V accumulation (the AVX2 loops take 8-32 lanes)."""
     b = make_batch([(0, 1), (9, 3), (33, 1), (20, M)], 2, 2, head_dim, 16, torch.float32,
                    extra_rows=1)
     assert_close_rel(paged_attention_cpu(*b.attention_args()),
