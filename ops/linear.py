@@ -24,6 +24,11 @@ from .native_build import NativeKernel
 from .registration import vgraph_op
 
 PANEL = 16
+# Most rows the C++ kernel takes. It streams each weight panel once and runs every row
+# through it, which wins at decode sizes; with many rows (prefill) torch's blocked BLAS GEMM
+# is as fast or faster (perf/results/ops-cpu.json), and unpacking the weight for it is a
+# copy small next to that GEMM.
+MAX_KERNEL_ROWS = 64
 ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
 
 
@@ -102,6 +107,8 @@ def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> T
     if function is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != x.dtype):
         return packed_linear_reference(x, packed, bias, out_features)
     rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > MAX_KERNEL_ROWS:  # prefill: BLAS's blocked GEMM on a transient unpack
+        return packed_linear_reference(x, packed, bias, out_features)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     packed = packed.contiguous()

@@ -4,10 +4,10 @@
 // the step is bound by streaming the weights, and the BLAS call torch makes for F.linear
 // reaches well under the memory bandwidth at 2-16 rows on the CPUs measured (perf/README.md).
 // Packed as [panel][k][16] (16 output columns per panel, contiguous along k), the weight is
-// read front to back exactly once per call when there are at most 6 rows, and a 6x16 tile
-// of outputs lives in 12 AVX2 registers while one k step costs two loads, six broadcasts
-// and twelve FMAs. More rows are taken in chunks small enough to stay in L2, each chunk
-// re-reading the panel from cache.
+// read front to back exactly once per call, and a 6x16 tile of outputs lives in 12 AVX2
+// registers while one k step costs two loads, six broadcasts and twelve FMAs; further row
+// tiles re-read the panel from cache. Calls with many rows (prefill) are not sent here: a
+// fully blocked BLAS GEMM is as fast there and keeps big weights out of DRAM re-reads.
 //
 // Each output is a plain float32 sum over k in order (fused multiply-adds), so results agree
 // with any other float32 GEMM to rounding, not bit for bit.
@@ -24,7 +24,6 @@ namespace {
 
 constexpr int kPanel = 16;     // output columns per packed panel
 constexpr int kTileRows = 6;   // rows of x per register tile
-constexpr int64_t kChunkBytes = 96 * 1024;  // x rows re-read per panel stay in L2
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // multiply-adds
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -122,24 +121,21 @@ void vgraph_linear_pack(const float* weight, int64_t n, int64_t k, float* packed
   }
 }
 
-// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Panels are
-// shared out among threads; rows go in chunks that keep the re-read x rows in L2.
+// y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Each panel
+// is read from memory once and takes every row in tiles of six while it sits in cache; the
+// caller keeps m small (ops/linear.py sends many-row calls to torch's blocked GEMM). Panels
+// are shared out among threads.
 void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* packed,
                    int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
   // A parallel region costs microseconds (and far more when another process holds a core
   // and the team waits for it); below this much work one thread is faster.
   const bool parallel = num_threads > 1 && panels > 1 && m * n * k >= kParallelWork;
-  const int64_t chunk = std::max<int64_t>(
-      kTileRows, kChunkBytes / std::max<int64_t>(1, k * 4) / kTileRows * kTileRows);
-  for (int64_t row = 0; row < m; row += chunk) {
-    const int64_t rows = std::min(chunk, m - row);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-      panel_rows(x + row * ldx, ldx, rows, packed + p * k * kPanel, k,
-                 bias ? bias + p * kPanel : nullptr, y + row * ldy + p * kPanel, ldy, cols);
-    }
+  for (int64_t p = 0; p < panels; ++p) {
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+    panel_rows(x, ldx, m, packed + p * k * kPanel, k, bias ? bias + p * kPanel : nullptr,
+               y + p * kPanel, ldy, cols);
   }
 }
 

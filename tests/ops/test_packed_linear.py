@@ -108,3 +108,20 @@ def test_bad_inputs_raise_value_error(args, match):
 def test_opcheck():
     args = (torch.randn(3, 64), pack_weight(torch.randn(40, 64)), torch.randn(40), 40)
     torch.library.opcheck(torch.ops.vgraph.packed_linear.default, args)
+
+
+def test_decode_sized_calls_run_the_kernel_and_prefill_sized_calls_blas(monkeypatch):
+    """Up to MAX_KERNEL_ROWS rows the C++ kernel; above, F.linear on the unpacked weight."""
+    w = torch.randn(40, 64)
+    packed = pack_weight(w)
+    kernel_rows = []
+    function = linear._KERNEL.load()
+
+    def spy(*args):
+        kernel_rows.append(args[2])
+        return function(*args)
+    monkeypatch.setattr(linear._KERNEL, "function", spy)
+    for rows in (1, linear.MAX_KERNEL_ROWS, linear.MAX_KERNEL_ROWS + 1):
+        x = torch.randn(rows, 64)
+        close(torch.ops.vgraph.packed_linear(x, packed, None, 40), F.linear(x, w))
+    assert kernel_rows == [1, linear.MAX_KERNEL_ROWS]
