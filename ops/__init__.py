@@ -25,11 +25,24 @@ from .linear import packed_linear
 from .norm import fused_add_rms_norm, rms_norm
 from .unified_attention import unified_attention
 
+
+
+def build_cpu_kernels() -> dict[str, str | None]:
+    """Builds (or loads from the cache) every C++ CPU kernel now, so a server pays the
+    first-use build before it reports ready rather than on its first request. Returns each
+    kernel's name and why it is unavailable (None when it loaded)."""
+    from . import cpu_attention_native, kv_cache, linear
+    kernels = {"paged_attention_cpu": cpu_attention_native._KERNEL, "kv_cache_cpu": kv_cache._NATIVE,
+               "linear_cpu": linear._KERNEL}
+    return {name: (None if kernel.load() is not None else kernel.unavailable)
+            for name, kernel in kernels.items()}
+
+
 __all__ = [
     "rms_norm", "fused_add_rms_norm", "silu_and_mul",
     "static_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant", "fp8_gemm",
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
     "reshape_and_cache", "packed_linear", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
-    "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE",
+    "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "build_cpu_kernels",
 ]

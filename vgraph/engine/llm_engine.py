@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from vgraph.ops import build_cpu_kernels
+
 from ..compiler.counters import CompileCounters
 from ..compiler.setup import build_compiled_forward, log_compile_summary
 from ..config import EngineConfig
@@ -53,6 +55,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.config = config
         self.device = config.resolved_device()
+        if self.device.type == "cpu":
+            build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
         path = resolve_model_path(config.model.model, config.model.revision)
         config.model.model = str(path)
         torch.manual_seed(config.model.seed)
