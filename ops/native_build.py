@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -68,13 +69,11 @@ def _compiler_version(cxx: str) -> str:
 def _cpu_features() -> str:
     """The CPU's feature flags: ``-march=native`` code is only valid on a CPU that has them."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: the processor name is the best key there is
+        lines = []
+    flags = [line for line in lines if line.startswith(("flags", "Features"))]
+    return flags[0] if flags else platform.processor() or platform.machine()
 
 
 def library_key(source: str, cxx: str) -> str:

@@ -39,11 +39,14 @@ class VgraphOp:
         _DEFINED.append(name)
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
+        self._default: torch._ops.OpOverload | None = None
         functools.update_wrapper(self, fn)
 
     @property
     def default(self) -> torch._ops.OpOverload:
-        return getattr(getattr(torch.ops, NAMESPACE), self.name).default
+        if self._default is None:  # resolved once: the lookup is a chain of getattrs
+            self._default = getattr(getattr(torch.ops, NAMESPACE), self.name).default
+        return self._default
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.default(*args, **kwargs)

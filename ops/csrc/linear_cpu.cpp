@@ -3,7 +3,7 @@
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight, so
 // the step is bound by streaming the weights, and the BLAS call torch makes for F.linear
 // reaches well under the memory bandwidth at 2-16 rows on the CPUs measured (perf/README.md).
-// Packed as [panel][k][16] (16 output columns per panel, contiguous along k), the weight is
+// Packed as [panel][k][16] (ops/linear.py pack_weight) (16 output columns per panel, contiguous along k), the weight is
 // read front to back exactly once per call, and a 6x16 tile of outputs lives in 12 AVX2
 // registers while one k step costs two loads, six broadcasts and twelve FMAs; further row
 // tiles re-read the panel from cache. Calls with many rows (prefill) are not sent here: a
@@ -106,20 +106,6 @@ void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* panel, i
 extern "C" {
 
 int64_t vgraph_linear_panel_width() { return kPanel; }
-
-// weight [n, k] row-major -> packed [ceil(n / 16), k, 16], zero past column n.
-void vgraph_linear_pack(const float* weight, int64_t n, int64_t k, float* packed) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  for (int64_t p = 0; p < panels; ++p) {
-    for (int64_t kk = 0; kk < k; ++kk) {
-      float* dst = packed + (p * k + kk) * kPanel;
-      for (int j = 0; j < kPanel; ++j) {
-        const int64_t col = p * kPanel + j;
-        dst[j] = col < n ? weight[col * k + kk] : 0.f;
-      }
-    }
-  }
-}
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Each panel
 // is read from memory once and takes every row in tiles of six while it sits in cache; the
