@@ -19,6 +19,7 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.llm_engine import LLMEngine
 from . import routes_chat, routes_completions, routes_misc
 from .auth import APIKeyMiddleware
+from .header_limit import HeaderLimitMiddleware
 from .errors import install_error_handlers
 from .metrics import ServerMetrics
 from .state import ServerSettings, ServerState
@@ -57,6 +58,7 @@ def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine],
         app.include_router(module.router)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(HeaderLimitMiddleware)  # added last: runs first
     return app
 
 

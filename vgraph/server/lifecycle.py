@@ -22,11 +22,11 @@ import uvicorn
 
 from ..engine.llm_engine import LLMEngine
 from .app import build_app
+from .header_limit import MAX_HEADER_BYTES  # also bounds h11's buffer before the headers end
 from .state import ServerSettings, ServerState
 
 logger = logging.getLogger("vgraph.server")
 
-MAX_HEADER_BYTES = 64 * 1024  # request line + headers; h11 answers 400 beyond this
 
 
 def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, host: str, port: int,
