@@ -71,8 +71,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no compilation (and no CUDA graphs)")
     p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
                    help="token counts compiled statically besides the dynamic shape")
-    p.add_argument("--no-custom-ops", dest="custom_ops", action="store_false",
-                   help="layers in plain torch, so Inductor generates the norm/activation kernels")
+    p.add_argument("--custom-ops", action=argparse.BooleanOptionalAction, default=None,
+                   help="norms and activations as vgraph ops (--custom-ops) or in plain torch, so "
+                        "Inductor generates their kernels (--no-custom-ops). Default: plain torch "
+                        "for a compiled, unquantized model on CPU, the ops otherwise")
     p.add_argument("--no-fusion", dest="enable_fusion", action="store_false",
                    help="skip vgraph's fusion passes")
     p.add_argument("--cudagraph-mode", default=None,

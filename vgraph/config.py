@@ -70,7 +70,9 @@ class CompileConfig:
     compile_sizes: list[int] = field(default_factory=list)  # token counts also compiled statically
     enable_fusion: bool = True  # vgraph's own passes (RMSNorm+quant, SiLU+mul)
     passes: list = field(default_factory=list)  # user passes, run after vgraph's own
-    custom_ops: bool = True  # False: layers use plain torch and Inductor generates the kernels
+    # True: norms and activations call vgraph's ops; False: plain torch, and Inductor generates
+    # their kernels. None: see ``resolved_custom_ops``.
+    custom_ops: Optional[bool] = None
     dump_graphs_dir: Optional[str] = None  # dump each graph before/after each pass here
     use_cache: bool = True  # the on-disk compile cache under $VGRAPH_CACHE_DIR
     # CUDA graphs (see vgraph/worker/dispatch.py): "none" | "piecewise" | "full" |
@@ -87,6 +89,20 @@ class CompileConfig:
             raise ValueError(f"compile level must be 'none' or 'compiled', got {self.level!r}")
         if any(not isinstance(n, int) or n < 1 for n in self.compile_sizes):
             raise ValueError(f"compile_sizes must be positive token counts, got {self.compile_sizes}")
+
+    def resolved_custom_ops(self, device_type: str, quantized: bool) -> bool:
+        """``custom_ops`` when set; unset, off only for a compiled, unquantized model on CPU.
+
+        Why: on CPU the norm and activation ops are the plain-torch reference run one aten call
+        at a time behind the dispatcher, while Inductor fuses the same math into one C++ loop
+        per piece (about 12% of an 8-request CPU generate, perf/README.md), and without fp8
+        quantization the fusion passes have nothing to rewrite. Eager models keep the ops (one
+        call instead of several), as do CUDA (Triton kernels) and fp8 models (the passes match
+        the ops).
+        """
+        if self.custom_ops is not None:
+            return self.custom_ops
+        return not (self.level == "compiled" and device_type == "cpu" and not quantized)
 
 
 @dataclass

@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 MODES = {
     "eager": CompileConfig(level="none"),
-    "compiled": CompileConfig(),
-    "compiled-torch-ops": CompileConfig(custom_ops=False),
+    "compiled": CompileConfig(),  # on CPU: plain-torch norms and activations (custom_ops unset)
+    "compiled-custom-ops": CompileConfig(custom_ops=True),
 }
 
 

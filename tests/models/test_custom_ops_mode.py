@@ -104,3 +104,27 @@ def test_plain_mode_leaves_only_attention_and_the_gemm_as_ops(quantization: str 
         expected_on.add("dynamic_per_token_scaled_fp8_quant")
     assert ops_on == expected_on
     assert torch.equal(logits_on, logits_off)
+
+
+@pytest.mark.parametrize("level, device, quantized, expected", [
+    ("compiled", "cpu", False, False),  # Inductor fuses the plain-torch norms into one loop
+    ("compiled", "cpu", True, True),    # the fusion passes match the ops
+    ("compiled", "cuda", False, True),  # Triton kernels
+    ("none", "cpu", False, True),       # eager: one op call instead of several aten calls
+])
+def test_unset_custom_ops_resolve_by_device_and_quantization(level, device, quantized, expected):
+    from vgraph.config import CompileConfig
+    assert CompileConfig(level=level).resolved_custom_ops(device, quantized) is expected
+    for explicit in (True, False):
+        assert CompileConfig(level=level, custom_ops=explicit).resolved_custom_ops(device, quantized) is explicit
+
+
+@pytest.mark.parametrize("fp8_checkpoint, expected", [(False, False), (True, True)])
+def test_engine_resolves_the_switch_from_the_checkpoint(fp8_checkpoint, expected):
+    """An fp8 checkpoint counts as quantized although the user asked for no quantization."""
+    from vgraph import LLM
+    path = static_checkpoint() if fp8_checkpoint else tiny_checkpoint(arch="llama")
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=32)
+    assert llm.engine.config.compile.custom_ops is expected
+    ops = {type(m).__name__: getattr(m, "use_custom_ops", None) for m in llm.engine.model.modules()}
+    assert ops["RMSNorm"] is expected and ops["MLP"] is expected

@@ -15,7 +15,8 @@ from ..compiler.setup import build_compiled_forward, log_compile_summary
 from ..config import EngineConfig
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
-from ..models.loader import load_generation_config, load_model, load_tokenizer, resolve_model_path
+from ..models.loader import (load_generation_config, load_model, load_tokenizer, resolve_model_path,
+                             runs_quantized)
 from ..sampling_params import SamplingParams
 from ..compiler.cudagraph import CaptureReport
 from ..worker.dispatch import CudaGraphMode, capture_sizes, resolve_mode
@@ -59,6 +60,8 @@ class LLMEngine:
             build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
         path = resolve_model_path(config.model.model, config.model.revision)
         config.model.model = str(path)
+        config.compile.custom_ops = config.compile.resolved_custom_ops(self.device.type,
+                                                                       runs_quantized(config.model))
         torch.manual_seed(config.model.seed)
         self.model, self.hf_config, self.load_stats = load_model(
             config.model, self.device, use_custom_ops=config.compile.custom_ops)

@@ -135,6 +135,12 @@ def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
     return value if isinstance(value, torch.dtype) else None
 
 
+def runs_quantized(model_config: ModelConfig) -> bool:
+    """Whether the model will run fp8: asked for, or an fp8 checkpoint (known before loading)."""
+    path = resolve_model_path(model_config.model, model_config.revision)
+    return resolve_quantization(model_config.quantization, load_hf_config(path)) is not None
+
+
 def load_model(model_config: ModelConfig, device: torch.device | str,
                use_custom_ops: bool = True) -> tuple[nn.Module, Any, LoadStats]:
     """Builds the model for ``model_config.model`` on ``device`` and loads its weights.
