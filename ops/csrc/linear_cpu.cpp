@@ -3,11 +3,16 @@
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight, so
 // the step is bound by streaming the weights, and the BLAS call torch makes for F.linear
 // reaches well under the memory bandwidth at 2-16 rows on the CPUs measured (perf/README.md).
-// Packed as [panel][k][16] (ops/linear.py pack_weight) (16 output columns per panel, contiguous along k), the weight is
-// read front to back exactly once per call, and a 6x16 tile of outputs lives in 12 AVX2
-// registers while one k step costs two loads, six broadcasts and twelve FMAs; further row
-// tiles re-read the panel from cache. Calls with many rows (prefill) are not sent here: a
-// fully blocked BLAS GEMM is as fast there and keeps big weights out of DRAM re-reads.
+// Packed as [panel][k][16] (ops/linear.py pack_weight) (16 output columns per panel, contiguous
+// along k), the weight is read front to back exactly once per call. Panels are taken in
+// groups of four: a 6x16 tile of outputs lives in 12 AVX2 registers while one k step costs
+// two loads, six broadcasts and twelve FMAs, and the last one to five rows use a tile that
+// spans up to four panels (1x64, 2x32, 3x32), so that even one row keeps eight independent
+// FMA chains in flight; those re-read the group from cache. Each tile prefetches the panels
+// after its own, a whole tile ahead of the hardware prefetcher: 1.2-1.5x on 1-8 rows over
+// the perf model's 93 MB of weights (which live in DRAM during a decode step). Calls with
+// many rows (prefill) are not sent here: a fully blocked BLAS GEMM is as fast there and
+// keeps big weights out of DRAM re-reads.
 //
 // Each output is a plain float32 sum over k in order (fused multiply-adds), so results agree
 // with any other float32 GEMM to rounding, not bit for bit.
@@ -24,79 +29,125 @@ namespace {
 
 constexpr int kPanel = 16;     // output columns per packed panel
 constexpr int kTileRows = 6;   // rows of x per register tile
+constexpr int kGroup = 4;      // panels per unit of work (the widest tile spans all four)
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // multiply-adds
 
 #if defined(__AVX2__) && defined(__FMA__)
-template <int Rows>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_size,
+// Rows x (16 * Panels) outputs: rows of x against Panels consecutive panels. The accumulators
+// (2 * Rows * Panels registers) are independent FMA chains; a Zen 3 / Skylake core needs
+// about eight in flight to keep both FMA pipes busy, hence the wide shapes for few rows.
+template <int Rows, int Panels>
+inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_size,
                  const float* bias, float* y, int64_t ldy, int cols) {
-  __m256 lo[Rows], hi[Rows];
-#pragma GCC unroll 8
-  for (int m = 0; m < Rows; ++m) {
-    lo[m] = _mm256_setzero_ps();
-    hi[m] = _mm256_setzero_ps();
+  constexpr int kAcc = Rows * Panels;
+  const int64_t panel_stride = k_size * kPanel;
+  __m256 lo[kAcc], hi[kAcc];  // output (m, p) in lo/hi[m * Panels + p]
+#pragma GCC unroll 16
+  for (int i = 0; i < kAcc; ++i) {
+    lo[i] = _mm256_setzero_ps();
+    hi[i] = _mm256_setzero_ps();
   }
+  // The panels after this tile's, at the same k: the next tile's data (from DRAM on a decode
+  // step, whose weights far exceed the caches) is requested a whole tile ahead, further than
+  // the hardware prefetcher runs. Past the weight's end the hint is dropped, never faults.
+  const float* ahead = panels + Panels * panel_stride;
   for (int64_t k = 0; k < k_size; ++k) {
-    const __m256 w_lo = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 w_hi = _mm256_loadu_ps(panel + k * kPanel + 8);
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T0);
+    __m256 w_lo[Panels], w_hi[Panels];
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) {
+      w_lo[p] = _mm256_loadu_ps(panels + p * panel_stride + k * kPanel);
+      w_hi[p] = _mm256_loadu_ps(panels + p * panel_stride + k * kPanel + 8);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
       const __m256 xm = _mm256_broadcast_ss(x + m * ldx + k);
-      lo[m] = _mm256_fmadd_ps(xm, w_lo, lo[m]);
-      hi[m] = _mm256_fmadd_ps(xm, w_hi, hi[m]);
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p) {
+        lo[m * Panels + p] = _mm256_fmadd_ps(xm, w_lo[p], lo[m * Panels + p]);
+        hi[m * Panels + p] = _mm256_fmadd_ps(xm, w_hi[p], hi[m * Panels + p]);
+      }
     }
   }
-  alignas(32) float bias_tile[kPanel] = {};
-  if (bias != nullptr) std::memcpy(bias_tile, bias, sizeof(float) * cols);
-  const __m256 b_lo = _mm256_load_ps(bias_tile), b_hi = _mm256_load_ps(bias_tile + 8);
-  if (cols == kPanel) {
+  // cols < 16 only on the weight's last panel, the tile's last (see rows_across).
+#pragma GCC unroll 4
+  for (int p = 0; p < Panels; ++p) {
+    const int width = p == Panels - 1 ? cols : kPanel;
+    alignas(32) float bias_tile[kPanel] = {};
+    if (bias != nullptr) std::memcpy(bias_tile, bias + p * kPanel, sizeof(float) * width);
+    const __m256 b_lo = _mm256_load_ps(bias_tile), b_hi = _mm256_load_ps(bias_tile + 8);
+    alignas(32) float out[Rows][kPanel];
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
-      _mm256_storeu_ps(y + m * ldy, _mm256_add_ps(lo[m], b_lo));
-      _mm256_storeu_ps(y + m * ldy + 8, _mm256_add_ps(hi[m], b_hi));
+      _mm256_store_ps(out[m], _mm256_add_ps(lo[m * Panels + p], b_lo));
+      _mm256_store_ps(out[m] + 8, _mm256_add_ps(hi[m * Panels + p], b_hi));
     }
-    return;
+    for (int m = 0; m < Rows; ++m) std::memcpy(y + m * ldy + p * kPanel, out[m], sizeof(float) * width);
   }
-  alignas(32) float out[Rows][kPanel];
-#pragma GCC unroll 8
-  for (int m = 0; m < Rows; ++m) {
-    _mm256_store_ps(out[m], _mm256_add_ps(lo[m], b_lo));
-    _mm256_store_ps(out[m] + 8, _mm256_add_ps(hi[m], b_hi));
-  }
-  for (int m = 0; m < Rows; ++m) std::memcpy(y + m * ldy, out[m], sizeof(float) * cols);
 }
 #else
-template <int Rows>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t k_size,
+template <int Rows, int Panels>
+inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_size,
                  const float* bias, float* y, int64_t ldy, int cols) {
-  float acc[Rows][kPanel] = {};
-  for (int64_t k = 0; k < k_size; ++k) {
-    for (int m = 0; m < Rows; ++m) {
-      const float xm = x[m * ldx + k];
-      for (int j = 0; j < kPanel; ++j) acc[m][j] += xm * panel[k * kPanel + j];
+  for (int p = 0; p < Panels; ++p) {
+    const float* panel = panels + p * k_size * kPanel;
+    const int width = p == Panels - 1 ? cols : kPanel;
+    float acc[Rows][kPanel] = {};
+    for (int64_t k = 0; k < k_size; ++k) {
+      for (int m = 0; m < Rows; ++m) {
+        const float xm = x[m * ldx + k];
+        for (int j = 0; j < kPanel; ++j) acc[m][j] += xm * panel[k * kPanel + j];
+      }
     }
-  }
-  for (int m = 0; m < Rows; ++m) {
-    for (int j = 0; j < cols; ++j) y[m * ldy + j] = acc[m][j] + (bias ? bias[j] : 0.f);
+    for (int m = 0; m < Rows; ++m) {
+      for (int j = 0; j < width; ++j) {
+        y[m * ldy + p * kPanel + j] = acc[m][j] + (bias ? bias[p * kPanel + j] : 0.f);
+      }
+    }
   }
 }
 #endif
 
-// Rows [0, rows) of x against one panel.
-void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* panel, int64_t k_size,
-                const float* bias, float* y, int64_t ldy, int cols) {
+// Tiles of Rows rows across a group of `count` panels, Panels at a time.
+template <int Rows, int Panels>
+void rows_across(const float* x, int64_t ldx, const float* panels, int64_t k_size,
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+  for (int p = 0; p < count; p += Panels) {
+    const int cols = p + Panels == count ? last_cols : kPanel;
+    tile<Rows, Panels>(x, ldx, panels + p * k_size * kPanel, k_size,
+                       bias ? bias + p * kPanel : nullptr, y + p * kPanel, ldy, cols);
+  }
+}
+
+// Rows [0, rows) of x against `count` consecutive panels (count == kGroup unless the weight
+// ends first). Full six-row tiles take one panel at a time; the last few rows take a shape
+// with at least eight accumulators, spanning several panels, which re-read from cache the
+// panels the six-row tiles just streamed in. Every output is still one in-order FMA sum over
+// k, so a row's result never depends on the tile (or batch) it was computed in.
+void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t k_size,
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
   int64_t m = 0;
   for (; m + kTileRows <= rows; m += kTileRows) {
-    tile<kTileRows>(x + m * ldx, ldx, panel, k_size, bias, y + m * ldy, ldy, cols);
+    rows_across<kTileRows, 1>(x + m * ldx, ldx, panels, k_size, bias, y + m * ldy, ldy, count, last_cols);
   }
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
+  const bool whole = count == kGroup;  // the multi-panel shapes need a full group
   switch (rows - m) {
-    case 5: tile<5>(xm, ldx, panel, k_size, bias, ym, ldy, cols); break;
-    case 4: tile<4>(xm, ldx, panel, k_size, bias, ym, ldy, cols); break;
-    case 3: tile<3>(xm, ldx, panel, k_size, bias, ym, ldy, cols); break;
-    case 2: tile<2>(xm, ldx, panel, k_size, bias, ym, ldy, cols); break;
-    case 1: tile<1>(xm, ldx, panel, k_size, bias, ym, ldy, cols); break;
+    case 5: rows_across<5, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 4: rows_across<4, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 3:
+      if (whole) rows_across<3, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      else rows_across<3, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      break;
+    case 2:
+      if (whole) rows_across<2, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      else rows_across<2, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      break;
+    case 1:
+      if (whole) rows_across<1, 4>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      else rows_across<1, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
+      break;
     default: break;
   }
 }
@@ -108,20 +159,24 @@ extern "C" {
 int64_t vgraph_linear_panel_width() { return kPanel; }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Each panel
-// is read from memory once and takes every row in tiles of six while it sits in cache; the
-// caller keeps m small (ops/linear.py sends many-row calls to torch's blocked GEMM). Panels
-// are shared out among threads.
+// is read from memory once and takes every row while it sits in cache; the caller keeps m
+// small (ops/linear.py sends many-row calls to torch's blocked GEMM). Groups of panels are
+// shared out among threads.
 void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* packed,
                    int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
+  const int last_cols = static_cast<int>(n - (panels - 1) * kPanel);
   // A parallel region costs microseconds (and far more when another process holds a core
   // and the team waits for it); below this much work one thread is faster.
-  const bool parallel = num_threads > 1 && panels > 1 && m * n * k >= kParallelWork;
+  const bool parallel = num_threads > 1 && groups > 1 && m * n * k >= kParallelWork;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t p = 0; p < panels; ++p) {
-    const int cols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-    panel_rows(x, ldx, m, packed + p * k * kPanel, k, bias ? bias + p * kPanel : nullptr,
-               y + p * kPanel, ldy, cols);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = g * kGroup;
+    const int count = static_cast<int>(std::min<int64_t>(kGroup, panels - first));
+    const int cols = first + count == panels ? last_cols : kPanel;
+    panel_group(x, ldx, m, packed + first * k * kPanel, k, bias ? bias + first * kPanel : nullptr,
+                y + first * kPanel, ldy, count, cols);
   }
 }
 

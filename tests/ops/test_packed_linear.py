@@ -1,7 +1,9 @@
 """``vgraph::packed_linear`` (ops/linear.py, csrc/linear_cpu.cpp) against ``F.linear``.
 
-The kernel tiles rows by 6 and columns by 16, so row counts around multiples of 6 and column
-counts that leave a partial last panel are where an indexing slip would show.
+The kernel tiles rows by 6 and columns by 16 in groups of four panels, and the last one to
+five rows take tiles spanning one, two or four panels (only in a whole group). So every
+remainder 1-5, column counts that leave a partial last panel, and panel counts that leave a
+partial last group are where an indexing slip would show.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch.nn.functional as F
 from vgraph.ops import linear
 from vgraph.ops.linear import pack_weight, packed_linear_reference, unpack_weight
 
-SHAPES = [(1024, 512), (100, 80), (17, 33), (1, 5), (16, 16)]
+# (1024: whole groups; 100: 7 panels, partial last panel and group; 120: 8 panels, whole groups
+# ending on a partial panel; 17, 1, 16: a single panel)
+SHAPES = [(1024, 512), (100, 80), (120, 24), (17, 33), (1, 5), (16, 16)]
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -35,7 +39,7 @@ def test_pack_round_trips_and_pads_with_zeros(out_features, in_features):
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(out_features, in_features, rows, with_bias):
     w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
@@ -53,6 +57,19 @@ def test_leading_dims_and_strided_rows():
     close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 40), F.linear(x, w))
     x = torch.randn(64, 9).t()  # column-major rows
     close(torch.ops.vgraph.packed_linear(x, pack_weight(w), None, 40), F.linear(x, w))
+
+
+@pytest.mark.parametrize("out_features", [1024, 100, 120])
+def test_a_rows_result_does_not_depend_on_its_batch(out_features):
+    """Every output is one in-order sum over k whatever tile computed it, so a sequence's
+    logits are the same alone or in any decode batch (greedy tokens never depend on batching)."""
+    w, x = torch.randn(out_features, 72), torch.randn(13, 72)
+    packed = pack_weight(w)
+    alone = torch.cat([torch.ops.vgraph.packed_linear(x[i:i + 1], packed, None, out_features)
+                       for i in range(13)])
+    for rows in range(2, 14):
+        batched = torch.ops.vgraph.packed_linear(x[:rows], packed, None, out_features)
+        assert torch.equal(batched, alone[:rows]), rows
 
 
 def test_threads_split_panels_without_changing_a_bit():
