@@ -129,67 +129,111 @@ inline float dot(const float* __restrict a, const float* __restrict b, int n) {
   return sum;
 }
 
-// out[t] = q . k_t for `keys` rows `stride` apart, four rows per pass: four independent
-// accumulators hide the FMA latency and q is loaded once for all four.
-inline void dot_rows(const float* __restrict q, const float* __restrict k, int64_t stride,
-                     int keys, int n, float* __restrict out) {
+// out[r * out_stride + t] = q_r . k_t for R query rows (q_stride apart: the query heads of
+// one GQA group) and `keys` K rows `stride` apart, four K rows per pass: 4R independent
+// accumulators hide the FMA latency, each K load serves all R query rows and each q load
+// all four keys. Every (row, key) sum is formed the same way whatever R is.
+template <int R>
+inline void dot_rows(const float* __restrict q, int64_t q_stride, const float* __restrict k,
+                     int64_t stride, int keys, int n, float* __restrict out, int64_t out_stride) {
   int t = 0;
   for (; t + 4 <= keys; t += 4) {
     const float* k0 = k + t * stride;
     const float *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    __m256 acc[4 * R];
+#pragma GCC unroll 8
+    for (int j = 0; j < 4 * R; ++j) acc[j] = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= n; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+      const __m256 kv0 = _mm256_loadu_ps(k0 + i), kv1 = _mm256_loadu_ps(k1 + i);
+      const __m256 kv2 = _mm256_loadu_ps(k2 + i), kv3 = _mm256_loadu_ps(k3 + i);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q + r * q_stride + i);
+        acc[4 * r] = _mm256_fmadd_ps(qv, kv0, acc[4 * r]);
+        acc[4 * r + 1] = _mm256_fmadd_ps(qv, kv1, acc[4 * r + 1]);
+        acc[4 * r + 2] = _mm256_fmadd_ps(qv, kv2, acc[4 * r + 2]);
+        acc[4 * r + 3] = _mm256_fmadd_ps(qv, kv3, acc[4 * r + 3]);
+      }
     }
-    // [a0 a1 a2 a3] from the four 8-lane sums: two rounds of pairwise adds, then the halves.
-    const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
-    alignas(16) float four[4];
-    _mm_store_ps(four, sums);
-    for (; i < n; ++i) {
-      four[0] += q[i] * k0[i]; four[1] += q[i] * k1[i];
-      four[2] += q[i] * k2[i]; four[3] += q[i] * k3[i];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+      // [a0 a1 a2 a3] from the four 8-lane sums: two rounds of pairwise adds, then the halves.
+      const __m256 quads = _mm256_hadd_ps(_mm256_hadd_ps(acc[4 * r], acc[4 * r + 1]),
+                                          _mm256_hadd_ps(acc[4 * r + 2], acc[4 * r + 3]));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(quads), _mm256_extractf128_ps(quads, 1));
+      alignas(16) float four[4];
+      _mm_store_ps(four, sums);
+      const float* qr = q + r * q_stride;
+      for (int tail = i; tail < n; ++tail) {
+        four[0] += qr[tail] * k0[tail]; four[1] += qr[tail] * k1[tail];
+        four[2] += qr[tail] * k2[tail]; four[3] += qr[tail] * k3[tail];
+      }
+      std::memcpy(out + r * out_stride + t, four, sizeof(four));
     }
-    out[t] = four[0]; out[t + 1] = four[1]; out[t + 2] = four[2]; out[t + 3] = four[3];
   }
-  for (; t < keys; ++t) out[t] = dot(q, k + t * stride, n);
+  for (; t < keys; ++t) {
+    for (int r = 0; r < R; ++r) out[r * out_stride + t] = dot(q + r * q_stride, k + t * stride, n);
+  }
 }
 
-// acc += sum_t p[t] * v_t over `keys` rows `stride` apart. acc is held in registers 32 lanes
-// at a time across all the rows, instead of loaded and stored once per row.
-inline void accumulate_rows(float* __restrict acc, const float* __restrict p,
-                            const float* __restrict v, int64_t stride, int keys, int n) {
+// acc_r += sum_t p_r[t] * v_t for R rows (acc_stride / p_stride apart) over `keys` V rows
+// `stride` apart. The accumulators are held in registers 32 lanes at a time across all the
+// V rows, instead of loaded and stored once per row, and each V load serves all R rows.
+template <int R>
+inline void accumulate_rows(float* __restrict acc, int64_t acc_stride, const float* __restrict p,
+                            int64_t p_stride, const float* __restrict v, int64_t stride, int keys,
+                            int n) {
   int i = 0;
   for (; i + 32 <= n; i += 32) {
-    __m256 c0 = _mm256_loadu_ps(acc + i), c1 = _mm256_loadu_ps(acc + i + 8);
-    __m256 c2 = _mm256_loadu_ps(acc + i + 16), c3 = _mm256_loadu_ps(acc + i + 24);
+    __m256 c[4 * R];
+#pragma GCC unroll 8
+    for (int j = 0; j < 4 * R; ++j) c[j] = _mm256_loadu_ps(acc + (j / 4) * acc_stride + i + (j % 4) * 8);
     for (int t = 0; t < keys; ++t) {
-      const __m256 pt = _mm256_set1_ps(p[t]);
       const float* vt = v + t * stride + i;
-      c0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), c0);
-      c1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), c1);
-      c2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), c2);
-      c3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), c3);
+      const __m256 v0 = _mm256_loadu_ps(vt), v1 = _mm256_loadu_ps(vt + 8);
+      const __m256 v2 = _mm256_loadu_ps(vt + 16), v3 = _mm256_loadu_ps(vt + 24);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const __m256 pt = _mm256_set1_ps(p[r * p_stride + t]);
+        c[4 * r] = _mm256_fmadd_ps(pt, v0, c[4 * r]);
+        c[4 * r + 1] = _mm256_fmadd_ps(pt, v1, c[4 * r + 1]);
+        c[4 * r + 2] = _mm256_fmadd_ps(pt, v2, c[4 * r + 2]);
+        c[4 * r + 3] = _mm256_fmadd_ps(pt, v3, c[4 * r + 3]);
+      }
     }
-    _mm256_storeu_ps(acc + i, c0); _mm256_storeu_ps(acc + i + 8, c1);
-    _mm256_storeu_ps(acc + i + 16, c2); _mm256_storeu_ps(acc + i + 24, c3);
+#pragma GCC unroll 8
+    for (int j = 0; j < 4 * R; ++j) _mm256_storeu_ps(acc + (j / 4) * acc_stride + i + (j % 4) * 8, c[j]);
   }
-  for (; i + 8 <= n; i += 8) {
-    __m256 c = _mm256_loadu_ps(acc + i);
-    for (int t = 0; t < keys; ++t) {
-      c = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(v + t * stride + i), c);
+  for (int r = 0; r < R; ++r) {
+    float* acc_r = acc + r * acc_stride;
+    const float* p_r = p + r * p_stride;
+    for (int j = i; j + 8 <= n; j += 8) {
+      __m256 c = _mm256_loadu_ps(acc_r + j);
+      for (int t = 0; t < keys; ++t) {
+        c = _mm256_fmadd_ps(_mm256_set1_ps(p_r[t]), _mm256_loadu_ps(v + t * stride + j), c);
+      }
+      _mm256_storeu_ps(acc_r + j, c);
     }
-    _mm256_storeu_ps(acc + i, c);
+    for (int j = i + (n - i) / 8 * 8; j < n; ++j) {
+      for (int t = 0; t < keys; ++t) acc_r[j] += p_r[t] * v[t * stride + j];
+    }
   }
-  for (; i < n; ++i) {
-    for (int t = 0; t < keys; ++t) acc[i] += p[t] * v[t * stride + i];
+}
+
+// The largest of score[0..n).
+inline float max_of(const float* score, int n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int t = 0;
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(score);
+    for (t = 8; t + 8 <= n; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(score + t));
+    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    best = _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
   }
+  for (; t < n; ++t) best = std::max(best, score[t]);
+  return best;
 }
 
 // exp(x) for x <= 0 (scores minus their running max), 8 lanes: n = round(x / ln 2),
@@ -234,19 +278,32 @@ inline float exp_shifted(float* score, int n, float max) {
   return sum;
 }
 #else
-inline void dot_rows(const float* q, const float* k, int64_t stride, int keys, int n, float* out) {
-  for (int t = 0; t < keys; ++t) {
-    float sum = 0.f;
-    for (int i = 0; i < n; ++i) sum += q[i] * k[t * stride + i];
-    out[t] = sum;
+template <int R>
+inline void dot_rows(const float* q, int64_t q_stride, const float* k, int64_t stride, int keys,
+                     int n, float* out, int64_t out_stride) {
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < keys; ++t) {
+      float sum = 0.f;
+      for (int i = 0; i < n; ++i) sum += q[r * q_stride + i] * k[t * stride + i];
+      out[r * out_stride + t] = sum;
+    }
   }
 }
 
-inline void accumulate_rows(float* acc, const float* p, const float* v, int64_t stride, int keys,
-                            int n) {
-  for (int t = 0; t < keys; ++t) {
-    for (int i = 0; i < n; ++i) acc[i] += p[t] * v[t * stride + i];
+template <int R>
+inline void accumulate_rows(float* acc, int64_t acc_stride, const float* p, int64_t p_stride,
+                            const float* v, int64_t stride, int keys, int n) {
+  for (int r = 0; r < R; ++r) {
+    for (int t = 0; t < keys; ++t) {
+      for (int i = 0; i < n; ++i) acc[r * acc_stride + i] += p[r * p_stride + t] * v[t * stride + i];
+    }
   }
+}
+
+inline float max_of(const float* score, int n) {
+  float best = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < n; ++t) best = std::max(best, score[t]);
+  return best;
 }
 
 inline float exp_shifted(float* score, int n, float max) {
@@ -273,7 +330,7 @@ struct Scratch {
   void fit(int rows, int head_dim, int block_size) {
     const size_t vectors = static_cast<size_t>(rows) * head_dim;
     if (q.size() < vectors) { q.resize(vectors); acc.resize(vectors); }
-    if (scores.size() < static_cast<size_t>(block_size)) scores.resize(block_size);
+    if (scores.size() < 2 * static_cast<size_t>(block_size)) scores.resize(2 * static_cast<size_t>(block_size));
     if (row_max.size() < static_cast<size_t>(rows)) { row_max.resize(rows); row_sum.resize(rows); }
     const size_t block = static_cast<size_t>(block_size) * head_dim;
     if (k_block.size() < block) { k_block.resize(block); v_block.resize(block); }
@@ -290,11 +347,9 @@ struct Item {
 
 // One row's scores of a block's keys -> unnormalised probabilities, with the online-softmax
 // update: the running max moves, and the accumulator and sum are rescaled once per block.
-void softmax_update(Scratch& s, int r, int keys, int head_dim) {
+void softmax_update(Scratch& s, int r, float* score, int keys, int head_dim) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  float* score = s.scores.data();
-  float block_max = neg_inf;
-  for (int t = 0; t < keys; ++t) block_max = std::max(block_max, score[t]);
+  const float block_max = max_of(score, keys);
   if (block_max == neg_inf) {  // every key of this block is in this row's future
     std::fill_n(score, keys, 0.f);
     return;
@@ -310,8 +365,9 @@ void softmax_update(Scratch& s, int r, int keys, int head_dim) {
   s.row_max[r] = new_max;
 }
 
-// One block of keys for every row of one KV head: K rows scored four at a time, the softmax
-// update, then the V rows accumulated, while the block's rows for this head are in L1.
+// One block of keys for every row of one KV head: K rows scored four at a time against two
+// query heads, the softmax update, then the V rows accumulated, while the block's rows for
+// this head are in L1.
 void attend_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block,
                   int64_t first_key, int keys, int kv) {
   const int d = a.head_dim;
@@ -325,15 +381,26 @@ void attend_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64
   for (int64_t j = 0; j < it.q_len; ++j) {
     const int64_t last_visible = it.seq_len - it.q_len + j - first_key;  // causal
     const int visible = static_cast<int>(std::min<int64_t>(keys, last_visible + 1));
-    for (int g = 0; g < it.group; ++g) {
+    // The group's query heads two at a time: consecutive rows, sharing every K and V load.
+    for (int g = 0; g < it.group; g += 2) {
       const int r = static_cast<int>(j) * it.heads + local + g;
-      float* score = s.scores.data();
-      if (visible > 0) dot_rows(&s.q[static_cast<size_t>(r) * d], k, k_stride, visible, d, score);
-      for (int t = 0; t < visible; ++t) score[t] *= a.scale;
-      for (int t = std::max(visible, 0); t < keys; ++t) score[t] = neg_inf;
-      softmax_update(s, r, keys, d);
+      const int pair = g + 1 < it.group ? 2 : 1;
+      float* q = &s.q[static_cast<size_t>(r) * d];
+      float* acc = &s.acc[static_cast<size_t>(r) * d];
+      float* scores = s.scores.data();
       if (visible > 0) {
-        accumulate_rows(&s.acc[static_cast<size_t>(r) * d], score, v, v_stride, visible, d);
+        if (pair == 2) dot_rows<2>(q, d, k, k_stride, visible, d, scores, a.block_size);
+        else dot_rows<1>(q, d, k, k_stride, visible, d, scores, a.block_size);
+      }
+      for (int p = 0; p < pair; ++p) {
+        float* score = scores + p * a.block_size;
+        for (int t = 0; t < visible; ++t) score[t] *= a.scale;
+        for (int t = std::max(visible, 0); t < keys; ++t) score[t] = neg_inf;
+        softmax_update(s, r + p, score, keys, d);
+      }
+      if (visible > 0) {
+        if (pair == 2) accumulate_rows<2>(acc, d, scores, a.block_size, v, v_stride, visible, d);
+        else accumulate_rows<1>(acc, d, scores, a.block_size, v, v_stride, visible, d);
       }
     }
   }
