@@ -28,9 +28,15 @@ from .silu_mul import SiluMulFusionPass
 logger = logging.getLogger("vgraph.passes")
 
 
-def default_passes() -> list[AnyPass]:
-    """vgraph's shipped passes, in the order they run."""
-    return [RMSNormQuantFusionPass(), SiluMulFusionPass()]
+def default_passes(lift_plain_torch: bool = True) -> list[AnyPass]:
+    """vgraph's shipped passes, in the order they run.
+
+    ``lift_plain_torch=False`` leaves a plain-torch SiLU-and-mul to Inductor instead of
+    turning it into ``vgraph::silu_and_mul``: for a model built without custom ops, whose
+    user asked for Inductor's kernels (on CPU the op is the reference, run aten call by aten
+    call, where Inductor emits one fused loop).
+    """
+    return [RMSNormQuantFusionPass(), SiluMulFusionPass(plain_torch=lift_plain_torch)]
 
 
 class PassManager(CustomGraphPass):

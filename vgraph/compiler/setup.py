@@ -21,7 +21,8 @@ def build_pass_manager(config: EngineConfig) -> Optional[Any]:
     if not config.compile.enable_fusion and not config.compile.passes:
         return None
     from vgraph.passes import PassManager, default_passes
-    passes = (default_passes() if config.compile.enable_fusion else []) + list(config.compile.passes)
+    own = default_passes(lift_plain_torch=config.compile.custom_ops is not False)
+    passes = (own if config.compile.enable_fusion else []) + list(config.compile.passes)
     return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
 
 
