@@ -75,18 +75,20 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
 
 
 def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                    segments: Sequence[tuple[int, int, int, int]], scale: float,
+                    segments: Sequence[tuple[int, int, int, int]] | Tensor, scale: float,
                     out: Tensor) -> None:
-    """Writes the attention of ``segments`` ((sequence, first row, rows, seq_len) each) into
-    their rows of ``out`` (float32, contiguous, same shape as q)."""
+    """Writes the attention of ``segments`` ((sequence, first row, rows, seq_len) each, or
+    those rows as an int64 [n, 4] tensor) into their rows of ``out`` (float32, contiguous,
+    same shape as q)."""
     function = _KERNEL.load()
     if function is None:
         raise NativeBuildError(_KERNEL.unavailable or "the C++ attention kernel is not loaded")
-    if not segments:
+    if len(segments) == 0:
         return
     q32 = q.to(torch.float32).contiguous()
     v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
-    seg = torch.tensor(segments, dtype=torch.int64)
+    seg = (segments.contiguous() if isinstance(segments, Tensor)
+           else torch.tensor(segments, dtype=torch.int64))
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     args = _Args(
         q=q32.data_ptr(), out=out.data_ptr(), k_cache=k_cache.data_ptr(),

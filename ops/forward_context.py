@@ -7,8 +7,8 @@ context around each forward and ``vgraph::unified_attention`` reads it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -41,6 +41,9 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: [blocks, block_size, kv_heads, head_dim]
     softmax_scale: float
+    # Host-side work a kernel derives from the metadata, kept for the other layers of this
+    # forward (the metadata cannot change within one). See ``metadata_memo``.
+    memo: dict[Any, Any] = field(default_factory=dict)
 
 
 _current: Optional[ForwardContext] = None
@@ -52,6 +55,25 @@ def get_forward_context() -> ForwardContext:
             "vgraph::unified_attention ran outside a forward context; wrap the forward in "
             "vgraph.ops.forward_context.set_forward_context(...)")
     return _current
+
+
+def metadata_memo(block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor) -> Optional[dict[Any, Any]]:
+    """The current forward's memo when these are its own metadata tensors, else None.
+
+    Why: on CPU, turning the metadata into a kernel's work list (reading it on the host,
+    checking it, packing it for C++) costs as much as a decode step's attention for a short
+    context, and every layer of the forward would repeat it. Identity, not equality, is
+    checked, so any other caller gets None and computes its own.
+    """
+    ctx = _current
+    if ctx is None:
+        return None
+    meta = ctx.attn_metadata
+    if (meta.block_table is block_table and meta.query_start_loc is query_start_loc
+            and meta.seq_lens is seq_lens):
+        return ctx.memo
+    return None
 
 
 @contextlib.contextmanager

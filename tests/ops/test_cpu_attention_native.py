@@ -78,7 +78,8 @@ def routes(monkeypatch):
     real_native, real_group = native.attend_segments, cpu_attention.attend_group
 
     def native_spy(q, k_cache, v_cache, block_table, segments, scale, out):
-        calls.native.extend(tuple(s) for s in segments)
+        rows = segments.tolist() if isinstance(segments, torch.Tensor) else segments
+        calls.native.extend(tuple(s) for s in rows)
         return real_native(q, k_cache, v_cache, block_table, segments, scale, out)
 
     def group_spy(q, k_cache, v_cache, block_table, segments, scale, out):
