@@ -42,7 +42,8 @@ class ForwardContext:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: [blocks, block_size, kv_heads, head_dim]
     softmax_scale: float
     # Host-side work a kernel derives from the metadata, kept for the other layers of this
-    # forward (the metadata cannot change within one). See ``metadata_memo``.
+    # forward (the metadata cannot change within one); emptied on every entry and exit of
+    # ``set_forward_context``. See ``metadata_memo``.
     memo: dict[Any, Any] = field(default_factory=dict)
 
 
@@ -80,7 +81,9 @@ def metadata_memo(block_table: torch.Tensor, query_start_loc: torch.Tensor,
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
     global _current
     previous, _current = _current, ctx
-    try:
+    ctx.memo.clear()  # one entry is one forward: a context re-entered (a graph body run
+    try:              # again over buffers refilled in place) must not see the last plans
         yield ctx
     finally:
+        ctx.memo.clear()
         _current = previous

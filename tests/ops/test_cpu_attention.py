@@ -195,3 +195,32 @@ def test_groups_respect_the_budgets():
     assert [len(g) for g in groups] == [3, 3, 3, 1]
     groups = list(group_segments(segments, pair_budget=10 ** 6, kv_rows_budget=250))
     assert [len(g) for g in groups] == [2] * 5
+
+
+def test_the_plan_is_made_once_per_forward_and_only_for_its_own_metadata(monkeypatch):
+    """Every layer of a forward shares the metadata, so the host-side plan is reused; a
+    new forward (even re-entering the same context, whose buffers may have been refilled in
+    place), or tensors that are not the forward's metadata, get a fresh plan."""
+    from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+    b = make_batch(MIXED, 2, 4, 64, 16, torch.float32)
+    q, k_cache, v_cache, block_table, query_start_loc, seq_lens, max_q, scale = b.attention_args()
+    plans = []
+    real = cpu_attention.plan_batch
+    monkeypatch.setattr(cpu_attention, "plan_batch", lambda *a: plans.append(a) or real(*a))
+    meta = AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.long), block_table=block_table,
+                             query_start_loc=query_start_loc, seq_lens=seq_lens, max_query_len=max_q,
+                             max_seq_len=int(seq_lens.max()))
+    ref = paged_attention_reference(*b.attention_args())
+    ctx = ForwardContext(meta, [(k_cache, v_cache)], scale)
+    for _ in range(2):  # two forwards in one context object (as a graph body is re-run)
+        with set_forward_context(ctx):
+            for _ in range(3):  # three layers
+                assert_close_rel(paged_attention_cpu(*b.attention_args()), ref)
+    assert len(plans) == 2
+    with set_forward_context(ForwardContext(meta, [(k_cache, v_cache)], scale)):
+        other = seq_lens.clone()  # equal values, but not the forward's tensor
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, other, max_q, scale)
+        paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, other, max_q, scale)
+    assert len(plans) == 4
+    paged_attention_cpu(*b.attention_args())  # outside any forward
+    assert len(plans) == 5
