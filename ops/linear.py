@@ -3,7 +3,10 @@
 On CPU a decode step is a handful of rows times every weight matrix, and torch's BLAS call
 for ``F.linear`` runs far below the memory bandwidth at those row counts. The C++ kernel
 (``csrc/linear_cpu.cpp``) reads a weight packed into 16-column panels front to back once
-per call; ``perf/suites/ops.py`` measures it against ``F.linear``.
+per call, and takes prefill-sized calls too: there it matches or beats BLAS on the weight
+unpacked for it (measured 2154 rows on the perf model's projections, 256 and 2048 rows on
+46-92 MB weights; the one loss, 0.95x, was 2048 rows on the 92 MB one), and needs no
+transient copy of the weight. ``perf/suites/ops.py`` measures it against ``F.linear``.
 
 Layout: ``pack_weight`` turns ``W [N, K]`` into ``[ceil(N / 16), K, 16]``, zero past column
 N, so panel p holds output columns ``16p .. 16p + 15`` contiguous along k. The op's default
@@ -24,11 +27,6 @@ from .native_build import NativeKernel
 from .registration import vgraph_op
 
 PANEL = 16
-# Most rows the C++ kernel takes. It streams each weight panel once and runs every row
-# through it, which wins at decode sizes; with many rows (prefill) torch's blocked BLAS GEMM
-# is as fast or faster (perf/results/ops-cpu.json), and unpacking the weight for it is a
-# copy small next to that GEMM.
-MAX_KERNEL_ROWS = 64
 ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
 
 
@@ -107,8 +105,6 @@ def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> T
     if function is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != x.dtype):
         return packed_linear_reference(x, packed, bias, out_features)
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > MAX_KERNEL_ROWS:  # prefill: BLAS's blocked GEMM on a transient unpack
-        return packed_linear_reference(x, packed, bias, out_features)
     if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
         rows = rows.contiguous()
     packed = packed.contiguous()

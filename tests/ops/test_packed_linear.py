@@ -127,8 +127,8 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.vgraph.packed_linear.default, args)
 
 
-def test_decode_sized_calls_run_the_kernel_and_prefill_sized_calls_blas(monkeypatch):
-    """Up to MAX_KERNEL_ROWS rows the C++ kernel; above, F.linear on the unpacked weight."""
+def test_every_row_count_runs_the_kernel(monkeypatch):
+    """Decode and prefill sizes alike: no call falls back to F.linear on an unpacked copy."""
     w = torch.randn(40, 64)
     packed = pack_weight(w)
     kernel_rows = []
@@ -138,7 +138,8 @@ def test_decode_sized_calls_run_the_kernel_and_prefill_sized_calls_blas(monkeypa
         kernel_rows.append(args[2])
         return function(*args)
     monkeypatch.setattr(linear._KERNEL, "function", spy)
-    for rows in (1, linear.MAX_KERNEL_ROWS, linear.MAX_KERNEL_ROWS + 1):
+    monkeypatch.setattr(linear, "packed_linear_reference", None)  # a fallback would fail
+    for rows in (1, 64, 65, 2000):
         x = torch.randn(rows, 64)
         close(torch.ops.vgraph.packed_linear(x, packed, None, 40), F.linear(x, w))
-    assert kernel_rows == [1, linear.MAX_KERNEL_ROWS]
+    assert kernel_rows == [1, 64, 65, 2000]
