@@ -6,10 +6,11 @@ greedy, EOS ignored. Three engines in one process, run alternately (rotating ord
 load drift hits all alike:
 
 - **eager**: ``enforce_eager=True`` (vgraph's custom ops, no compilation);
-- **compiled**: ``CompileConfig(level="compiled")`` with custom ops (vgraph's fused ops stay
-  opaque to Inductor; the fusion passes run);
+- **compiled**: ``CompileConfig(level="compiled", custom_ops=True)`` (vgraph's fused ops stay
+  opaque to Inductor; the fusion passes run): the default for fp8 models and on CUDA;
 - **compiled_no_custom_ops**: ``custom_ops=False``: norms and activations in plain torch, so
-  Inductor generates (and fuses) those kernels itself.
+  Inductor generates (and fuses) those kernels itself: the default (``custom_ops`` unset) for
+  this unquantized model on CPU.
 
 Reported per engine: generated tokens/s of the whole ``generate`` (prefill + 64 decode steps),
 and decode-only tokens/s = ``N * (64 - 1) / (t(64 tokens) - t(1 token))`` from a second,

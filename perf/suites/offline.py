@@ -87,7 +87,8 @@ def kv_blocks_needed(r: Requests) -> int:
 
 class VgraphSystem:
     """vgraph's runtime (fp32, CPU), eager (``enforce_eager=True``) or compiled (the default
-    ``CompileConfig``: piecewise torch.compile with custom ops and the fusion passes). Prefix
+    ``CompileConfig``: piecewise torch.compile and the fusion passes; for this unquantized model
+    on CPU, norms and activations in plain torch for Inductor, ``custom_ops`` being unset). Prefix
     caching is off: the timed rounds repeat the same prompts, and cache hits on the second round
     would measure the cache, not the engine (transformers has no cross-call cache)."""
 
