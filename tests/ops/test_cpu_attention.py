@@ -224,3 +224,15 @@ def test_the_plan_is_made_once_per_forward_and_only_for_its_own_metadata(monkeyp
     assert len(plans) == 4
     paged_attention_cpu(*b.attention_args())  # outside any forward
     assert len(plans) == 5
+
+
+def test_prefills_without_context_take_causal_sdpa_and_the_rest_the_masked_groups(monkeypatch):
+    b = make_batch([(0, 40), (16, 20), (0, 1), (7, 1)], 2, 4, 64, 16, torch.float32)
+    fresh, grouped = [], []
+    real_fresh, real_group = cpu_attention.attend_fresh_prefill, cpu_attention.attend_group
+    monkeypatch.setattr(cpu_attention, "attend_fresh_prefill",
+                        lambda *a: fresh.append(a[4].seq) or real_fresh(*a))
+    monkeypatch.setattr(cpu_attention, "attend_group",
+                        lambda *a: grouped.extend(s.seq for s in a[4]) or real_group(*a))
+    check_against_reference(b, native_kernel=False)
+    assert sorted(fresh) == [0, 2] and sorted(grouped) == [1, 3]  # 2: a one-token prompt

@@ -72,7 +72,8 @@ def assert_zero_rows_outside_sequences(b, out: torch.Tensor) -> None:
 
 @pytest.fixture
 def routes(monkeypatch):
-    """Records the segments each route gets: ``native`` (the C++ kernel) and ``sdpa``."""
+    """Records the segments each route gets: ``native`` (the C++ kernel) and ``sdpa`` (grouped
+    masked SDPA, or causal SDPA for a prefill without cached context)."""
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
     calls = types.SimpleNamespace(native=[], sdpa=[])
     real_native, real_group = native.attend_segments, cpu_attention.attend_group
@@ -86,8 +87,15 @@ def routes(monkeypatch):
         calls.sdpa.extend((s.seq, s.start, s.q_len, s.seq_len) for s in segments)
         return real_group(q, k_cache, v_cache, block_table, segments, scale, out)
 
+    real_fresh = cpu_attention.attend_fresh_prefill
+
+    def fresh_spy(q, k_cache, v_cache, block_table, seg, scale, out):
+        calls.sdpa.append((seg.seq, seg.start, seg.q_len, seg.seq_len))
+        return real_fresh(q, k_cache, v_cache, block_table, seg, scale, out)
+
     monkeypatch.setattr(cpu_attention.native, "attend_segments", native_spy)
     monkeypatch.setattr(cpu_attention, "attend_group", group_spy)
+    monkeypatch.setattr(cpu_attention, "attend_fresh_prefill", fresh_spy)
 
     def reset() -> None:
         calls.native.clear()
