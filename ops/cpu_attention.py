@@ -16,10 +16,13 @@ K/V is read once. It accumulates in fp32 for every dtype; fp32 results agree wit
 reference's plain softmax to ~1e-7 relative. Half-precision inputs are not upcast first
 (the reference does), which stays well inside the half-type tolerance.
 
-Work is split into *segments* (a run of query rows of one sequence). Long prefills are
-tiled into row ranges and segments are grouped so that a group's padded mask and gathered
-K/V stay under fixed budgets, and so that short rows (decodes) are not padded to the length
-of a long prefill in the same batch.
+Work is split into *segments* (a run of query rows of one sequence). Short segments (decode
+rows) go to the in-place C++ kernel (``cpu_attention_native``). A prefill with no cached
+context runs SDPA alone with ``is_causal``, which needs no mask and skips the upper
+triangle. The rest (chunked prefills, prefix-cache hits) are tiled into row ranges and
+grouped so that a group's padded mask and gathered K/V stay under fixed budgets, and so that
+short rows are not padded to the length of a long prefill in the same batch. The split is
+planned once per forward (``cached_plan``) and reused by every layer.
 """
 from __future__ import annotations
 
