@@ -120,6 +120,15 @@ void rows_across(const float* x, int64_t ldx, const float* panels, int64_t k_siz
   }
 }
 
+// The last Rows (< 6) rows of a group: `Wide` panels per tile when the group is whole (the
+// multi-panel shapes need all four), one panel per tile when the weight ends first.
+template <int Rows, int Wide>
+void remainder_rows(const float* x, int64_t ldx, const float* panels, int64_t k_size,
+                    const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+  if (count == kGroup) rows_across<Rows, Wide>(x, ldx, panels, k_size, bias, y, ldy, count, last_cols);
+  else rows_across<Rows, 1>(x, ldx, panels, k_size, bias, y, ldy, count, last_cols);
+}
+
 // Rows [0, rows) of x against `count` consecutive panels (count == kGroup unless the weight
 // ends first). Full six-row tiles take one panel at a time; the last few rows take a shape
 // with at least eight accumulators, spanning several panels, which re-read from cache the
@@ -133,22 +142,12 @@ void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels,
   }
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
-  const bool whole = count == kGroup;  // the multi-panel shapes need a full group
   switch (rows - m) {
-    case 5: rows_across<5, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
-    case 4: rows_across<4, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
-    case 3:
-      if (whole) rows_across<3, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      else rows_across<3, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      break;
-    case 2:
-      if (whole) rows_across<2, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      else rows_across<2, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      break;
-    case 1:
-      if (whole) rows_across<1, 4>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      else rows_across<1, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols);
-      break;
+    case 5: remainder_rows<5, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 4: remainder_rows<4, 1>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 3: remainder_rows<3, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 2: remainder_rows<2, 2>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
+    case 1: remainder_rows<1, 4>(xm, ldx, panels, k_size, bias, ym, ldy, count, last_cols); break;
     default: break;
   }
 }

@@ -136,3 +136,13 @@ def test_unknown_quantization_is_a_clear_error_and_fp8_generates():
     out = fp8.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 5 and all(0 <= t < fp8.engine.vocab_size for t in out.token_ids)
+
+
+def test_enforce_eager_leaves_the_callers_compile_config_as_given():
+    """The same CompileConfig can then build a compiled engine next (it used to be set to "none")."""
+    from vgraph.config import CompileConfig
+    given = CompileConfig()
+    eager = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=16,
+                compile_config=given, enforce_eager=True)
+    assert eager.engine.config.compile.level == "none"
+    assert given.level == "compiled" and given.custom_ops is None

@@ -123,9 +123,12 @@ def test_unset_custom_ops_resolve_by_device_and_quantization(level, device, quan
 def test_engine_resolves_the_switch_from_the_checkpoint(fp8_checkpoint, expected):
     """An fp8 checkpoint counts as quantized although the user asked for no quantization."""
     from vgraph import LLM
+    from vgraph.config import CompileConfig
     path = static_checkpoint() if fp8_checkpoint else tiny_checkpoint(arch="llama")
-    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=32)
+    given = CompileConfig()
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=32, compile_config=given)
     assert llm.engine.config.compile.custom_ops is expected
+    assert given.custom_ops is None  # resolved on the engine's copy: reusable for another model
     ops = {type(m).__name__: getattr(m, "use_custom_ops", None) for m in llm.engine.model.modules()}
     assert ops["RMSNorm"] is expected and ops["MLP"] is expected
 

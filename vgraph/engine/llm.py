@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -28,8 +29,8 @@ class LLM:
                  compile_config: Optional[CompileConfig] = None, enforce_eager: bool = False,
                  load_format: str = "auto") -> None:
         compile_config = compile_config or CompileConfig()
-        if enforce_eager:
-            compile_config.level = "none"
+        if enforce_eager:  # a copy: the caller's config is left as given
+            compile_config = replace(compile_config, level="none")
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
                               quantization=quantization, seed=seed, tokenizer=tokenizer,

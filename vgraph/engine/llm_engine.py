@@ -60,8 +60,9 @@ class LLMEngine:
             build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
         path = resolve_model_path(config.model.model, config.model.revision)
         config.model.model = str(path)
-        config.compile.custom_ops = config.compile.resolved_custom_ops(self.device.type,
-                                                                       runs_quantized(config.model))
+        # A copy: the caller's CompileConfig may be reused for another device or checkpoint.
+        config.compile = replace(config.compile, custom_ops=config.compile.resolved_custom_ops(
+            self.device.type, runs_quantized(config.model)))
         torch.manual_seed(config.model.seed)
         self.model, self.hf_config, self.load_stats = load_model(
             config.model, self.device, use_custom_ops=config.compile.custom_ops)
