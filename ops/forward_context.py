@@ -41,6 +41,10 @@ class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer: [blocks, block_size, kv_heads, head_dim]
     softmax_scale: float
+    # How this forward's compiled pieces run: None plainly, else the PIECEWISE CUDA graphs and
+    # the phase they are in (``vgraph.compiler.piecewise_graphs.PiecewiseRun``), chosen by the
+    # runner's dispatcher for this batch. Typed loosely: ops do not import the runtime.
+    piecewise: Optional[Any] = None
     # Host-side work a kernel derives from the metadata, kept for the other layers of this
     # forward (the metadata cannot change within one); emptied on every entry and exit of
     # ``set_forward_context``. See ``metadata_memo``.
@@ -55,6 +59,11 @@ def get_forward_context() -> ForwardContext:
         raise RuntimeError(
             "vgraph::unified_attention ran outside a forward context; wrap the forward in "
             "vgraph.ops.forward_context.set_forward_context(...)")
+    return _current
+
+
+def current_forward_context() -> Optional[ForwardContext]:
+    """The context of the forward running now, or None outside one."""
     return _current
 
 

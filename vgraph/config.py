@@ -1,8 +1,21 @@
-"""Engine configuration: one dataclass per concern, composed into ``EngineConfig``."""
+"""Engine configuration: one frozen dataclass per concern, composed into ``EngineConfig``.
+
+Every setting has exactly one default, here. ``LLM(**kwargs)`` (``EngineConfig.from_kwargs``)
+and the CLI flags (``vgraph.cli``) are derived from these fields, so the three cannot drift
+apart. A field's ``metadata`` carries what the CLI needs besides the default: the help text,
+and where the flag differs from ``--field-name``, its name and choices.
+
+The caller's config is never changed: ``EngineConfig.resolved`` returns a copy in which
+everything left open ("auto" device, unset ``custom_ops``, ``cudagraph_mode`` and
+``max_model_len``, a hub id) has been decided once, and the engine and the runner only ever
+read that copy.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+import enum
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
 
 import torch
 
@@ -10,6 +23,8 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.fl
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
 LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("fp8",)
 
 
 def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -23,72 +38,165 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtyp
     return _DTYPES[name]
 
 
-@dataclass
+class CompileLevel(str, enum.Enum):
+    """``none`` runs the model eagerly (``--enforce-eager``); ``compiled`` through Inductor."""
+
+    NONE = "none"
+    COMPILED = "compiled"
+
+
+class CudaGraphMode(str, enum.Enum):
+    """Which kinds of CUDA graphs exist (see vgraph/worker/dispatch.py)."""
+
+    NONE = "none"
+    PIECEWISE = "piecewise"
+    FULL = "full"
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full(self) -> bool:
+        return self in (CudaGraphMode.FULL, CudaGraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
+
+
+def _enum(kind: type[enum.Enum], value: Any, what: str) -> Any:
+    """``value`` as a member of ``kind`` (None stays None); a clear error names the choices."""
+    if value is None or isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(m.value for m in kind)
+        raise ValueError(f"unknown {what} {value!r}; choose one of {choices}") from None
+
+
+def cli(help: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata for the CLI: ``help`` plus optional ``flag`` (the option's name when it
+    is not ``--field-name``), ``choices``, ``nargs``, ``negative`` (the ``--no-x`` form of a
+    boolean that defaults to True) and ``value`` (a flag that stores this value when given)."""
+    return {"help": help, **extra}
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    model: str  # local HF directory or hub id
-    dtype: str | torch.dtype = "auto"
-    max_model_len: Optional[int] = None  # default: the checkpoint's max_position_embeddings
-    quantization: Optional[str] = None  # None or "fp8"
-    seed: int = 0
-    tokenizer: Optional[str] = None  # default: the model directory
-    revision: Optional[str] = None
+    model: str = field(metadata=cli("local HF model directory or hub id (default: the demo model)"))
+    dtype: str | torch.dtype = field(default="auto", metadata=cli(
+        "weights and activations dtype; auto = the checkpoint's", choices=["auto", "float32", "float16", "bfloat16"]))
+    max_model_len: Optional[int] = field(default=None, metadata=cli(
+        "longest sequence (prompt + output); default: the checkpoint's max_position_embeddings"))
+    quantization: Optional[str] = field(default=None, metadata=cli(
+        "quantize the weights at load (an fp8 checkpoint is used as fp8 anyway)", choices=list(QUANTIZATIONS)))
+    seed: int = field(default=0, metadata=cli("seed for weight init (dummy load) and unseeded sampling"))
+    tokenizer: Optional[str] = field(default=None, metadata=cli("tokenizer directory or id (default: the model's)"))
+    revision: Optional[str] = field(default=None, metadata=cli("hub revision of the model"))
     # "auto": weights from the checkpoint's safetensors; "dummy": the model is built from
     # config.json alone and its parameters filled with seeded random values on the device
     # (no weights read: benchmarks of full-size shapes without multi-GB checkpoints).
-    load_format: str = "auto"
+    load_format: str = field(default="auto", metadata=cli(
+        "dummy: build the model from config.json with random weights, reading no weight files "
+        "(for benchmarks)", choices=list(LOAD_FORMATS)))
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unsupported load_format {self.load_format!r}; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"unsupported quantization {self.quantization!r}; choose one of "
+                             f"{', '.join(QUANTIZATIONS)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    block_size: int = field(default=16, metadata=cli("tokens per KV cache block"))
+    enable_prefix_caching: bool = field(default=True, metadata=cli(
+        "reuse the KV blocks of a shared prompt prefix", negative="--no-prefix-caching"))
     # On CUDA the pool is sized from a profiling run and this fraction of device memory; on
     # CPU (or when set) num_gpu_blocks / cpu_kv_cache_gib decide.
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: Optional[int] = None
-    cpu_kv_cache_gib: float = 1.0
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_chunked_prefill: bool = True
-
-
-@dataclass
-class CompileConfig:
-    """How the model is compiled. ``level="none"`` runs it eagerly (``--enforce-eager``)."""
-
-    level: str = "compiled"  # "none" | "compiled"
-    splitting_ops: list[str] = field(default_factory=lambda: ["vgraph::unified_attention"])
-    compile_sizes: list[int] = field(default_factory=list)  # token counts also compiled statically
-    enable_fusion: bool = True  # vgraph's own passes (RMSNorm+quant, SiLU+mul)
-    passes: list = field(default_factory=list)  # user passes, run after vgraph's own
-    # True: norms and activations call vgraph's ops; False: plain torch, and Inductor generates
-    # their kernels. None: see ``resolved_custom_ops``.
-    custom_ops: Optional[bool] = None
-    dump_graphs_dir: Optional[str] = None  # dump each graph before/after each pass here
-    use_cache: bool = True  # the on-disk compile cache under $VGRAPH_CACHE_DIR
-    # CUDA graphs (see vgraph/worker/dispatch.py): "none" | "piecewise" | "full" |
-    # "full_and_piecewise"; None = "full_and_piecewise" when compiled. Without CUDA the same
-    # dispatcher pads batches to the buckets and runs the compiled forward there.
-    cudagraph_mode: Optional[str] = None
-    # Batch sizes / token counts captured; None = [1, 2, 4] + range(8, max_capture_size + 1, 8).
-    # Either way capped by max_num_seqs (decode) and max_num_batched_tokens.
-    cudagraph_capture_sizes: Optional[list[int]] = None
-    max_capture_size: int = 256
+    gpu_memory_utilization: float = field(default=0.9, metadata=cli(
+        "fraction of GPU memory vgraph may use (weights, activations, graphs and the KV cache)"))
+    num_gpu_blocks: Optional[int] = field(default=None, metadata=cli(
+        "KV cache blocks, overriding the memory-based sizing"))
+    cpu_kv_cache_gib: float = field(default=1.0, metadata=cli("KV cache size on CPU", flag="--kv-cache-gib"))
 
     def __post_init__(self) -> None:
-        if self.level not in ("none", "compiled"):
-            raise ValueError(f"compile level must be 'none' or 'compiled', got {self.level!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=256, metadata=cli("most sequences in one step"))
+    max_num_batched_tokens: int = field(default=8192, metadata=cli("most tokens in one step"))
+    enable_chunked_prefill: bool = field(default=True, metadata=cli(
+        "split long prompts over several steps", negative="--no-chunked-prefill"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How the model is compiled, and which CUDA graphs replay it."""
+
+    level: CompileLevel | str = field(default=CompileLevel.COMPILED, metadata=cli(
+        "no compilation (and no CUDA graphs)", flag="--enforce-eager", value=CompileLevel.NONE))
+    splitting_ops: list[str] = field(default_factory=lambda: ["vgraph::unified_attention"], metadata=cli(
+        "ops the graph is split at (attention runs between compiled pieces)", nargs="+"))
+    compile_sizes: list[int] = field(default_factory=list, metadata=cli(
+        "token counts compiled statically besides the dynamic shape", nargs="*"))
+    enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul)",
+                                                           negative="--no-fusion"))
+    passes: list = field(default_factory=list, metadata=cli(
+        "a user pass, MODULE:NAME (a callable on an FX graph with uuid(), or a class making one); "
+        "runs after vgraph's own (repeatable)", flag="--pass"))
+    # True: norms and activations call vgraph's ops; False: plain torch, and Inductor generates
+    # their kernels. None: see ``resolved_custom_ops``.
+    custom_ops: Optional[bool] = field(default=None, metadata=cli(
+        "norms and activations as vgraph ops (--custom-ops) or in plain torch, so Inductor generates "
+        "their kernels (--no-custom-ops). Default: plain torch for a compiled, unquantized model on "
+        "CPU, the ops otherwise"))
+    dump_graphs_dir: Optional[str] = field(default=None, metadata=cli(
+        "dump each graph before and after each pass into this directory"))
+    use_cache: bool = field(default=True, metadata=cli(
+        "the on-disk compile cache under $VGRAPH_CACHE_DIR", negative="--no-compile-cache"))
+    # None = full_and_piecewise on CUDA when compiled, none elsewhere (see resolved_graph_mode).
+    cudagraph_mode: Optional[CudaGraphMode | str] = field(default=None, metadata=cli(
+        "CUDA graphs: FULL for decode batches, PIECEWISE for mixed ones. Default: full_and_piecewise "
+        "on CUDA, none on CPU (where it would only pad); --enforce-eager turns graphs off",
+        choices=[m.value for m in CudaGraphMode]))
+    # Batch sizes / token counts captured; None = [1, 2, 4] + range(8, max_capture_size + 1, 8).
+    # Either way capped by max_num_seqs (decode) and max_num_batched_tokens.
+    cudagraph_capture_sizes: Optional[list[int]] = field(default=None, metadata=cli(
+        "batch sizes / token counts to capture (default: 1 2 4 8 16 ... max-capture-size)", nargs="+"))
+    max_capture_size: int = field(default=256, metadata=cli("largest default capture size"))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "level", _enum(CompileLevel, self.level, "compile level"))
+        object.__setattr__(self, "cudagraph_mode", _enum(CudaGraphMode, self.cudagraph_mode, "cudagraph_mode"))
         if any(not isinstance(n, int) or n < 1 for n in self.compile_sizes):
             raise ValueError(f"compile_sizes must be positive token counts, got {self.compile_sizes}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes}")
+        if self.max_capture_size < 1:
+            raise ValueError(f"max_capture_size must be >= 1, got {self.max_capture_size}")
+
+    @property
+    def compiled(self) -> bool:
+        return self.level is CompileLevel.COMPILED
 
     def resolved_custom_ops(self, device_type: str, quantized: bool) -> bool:
         """``custom_ops`` when set; unset, off only for a compiled, unquantized model on CPU.
@@ -102,19 +210,102 @@ class CompileConfig:
         """
         if self.custom_ops is not None:
             return self.custom_ops
-        return not (self.level == "compiled" and device_type == "cpu" and not quantized)
+        return not (self.compiled and device_type == "cpu" and not quantized)
+
+    def resolved_graph_mode(self, device_type: str) -> CudaGraphMode:
+        """Graphs need the compiled forward, so eager means none. Unset, FULL_AND_PIECEWISE on
+        CUDA and NONE elsewhere: without graphs, padding a batch up to a bucket only adds rows
+        to compute (a 17-sequence decode would run as 24). Set explicitly, the same buckets and
+        padding run on CPU as on CUDA, which is how the tests exercise them."""
+        if not self.compiled:
+            return CudaGraphMode.NONE
+        if self.cudagraph_mode is None:
+            return CudaGraphMode.FULL_AND_PIECEWISE if device_type == "cuda" else CudaGraphMode.NONE
+        return self.cudagraph_mode
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    max_logprobs: int = 20
+    device: str = field(default="auto", metadata=cli("auto = cuda when available, else cpu", choices=list(DEVICES)))
+    max_logprobs: int = field(default=20, metadata=cli("largest logprobs / top_logprobs a request may ask"))
 
-    def resolved_device(self) -> torch.device:
+    def __post_init__(self) -> None:
+        if not (self.device in DEVICES or self.device.startswith("cuda:")):
+            raise ValueError(f"unsupported device {self.device!r}; choose one of {', '.join(DEVICES)}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be at least 0, got {self.max_logprobs}")
+
+    # ------------------------------------------------------------------ resolution
+
+    def resolved(self, *, model_path: str | os.PathLike, max_position_embeddings: int,
+                 quantized: bool) -> "EngineConfig":
+        """A copy with every open choice decided, from facts about the checkpoint (found by the
+        engine: its local path, its position limit, whether it runs fp8). Raises ValueError
+        when ``max_model_len`` exceeds what the model supports."""
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        wanted = self.model.max_model_len or max_position_embeddings
+        if wanted > max_position_embeddings:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings "
+                             f"{max_position_embeddings}")
+        kind = torch.device(device).type
+        compile_config = replace(self.compile, custom_ops=self.compile.resolved_custom_ops(kind, quantized),
+                                 cudagraph_mode=self.compile.resolved_graph_mode(kind))
+        return replace(self, device=device, compile=compile_config,
+                       model=replace(self.model, model=str(model_path), max_model_len=wanted))
+
+    @property
+    def is_resolved(self) -> bool:
+        return (self.device != "auto" and self.model.max_model_len is not None
+                and self.compile.custom_ops is not None and self.compile.cudagraph_mode is not None)
+
+    @property
+    def torch_device(self) -> torch.device:
         if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            raise ValueError("the device is not resolved yet (EngineConfig.resolved)")
         return torch.device(self.device)
+
+    @property
+    def max_model_len(self) -> int:
+        """The resolved sequence limit (prompt + output)."""
+        if self.model.max_model_len is None:
+            raise ValueError("max_model_len is not resolved yet (EngineConfig.resolved)")
+        return self.model.max_model_len
+
+    # ------------------------------------------------------------------ from keyword arguments
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """``LLM(model, **kwargs)``: each keyword names a field of one of the sub-configs (or
+        of EngineConfig itself); ``enforce_eager=True`` is vLLM's spelling of
+        ``level="none"``, and ``compile_config`` gives the whole CompileConfig at once."""
+        compile_config = kwargs.pop("compile_config", None)
+        if kwargs.pop("enforce_eager", False):
+            kwargs["level"] = CompileLevel.NONE
+        parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in kwargs.items():
+            section = FIELD_SECTION.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            parts[section][key] = value
+        if compile_config is not None:
+            compile_config = replace(compile_config, **parts["compile"])
+        return cls(model=ModelConfig(model=model, **parts["model"]), cache=CacheConfig(**parts["cache"]),
+                   scheduler=SchedulerConfig(**parts["scheduler"]),
+                   compile=compile_config or CompileConfig(**parts["compile"]), **parts["engine"])
+
+
+# Where each engine argument lives: section name -> its dataclass ("engine": EngineConfig's own).
+# ``ModelConfig.model`` is the positional argument; the section fields of EngineConfig are
+# the sections themselves.
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                             "compile": CompileConfig, "engine": EngineConfig}
+_ARGUMENTS = [(f.name, section) for section, kind in SECTIONS.items() for f in fields(kind)
+              if f.name not in SECTIONS]
+FIELD_SECTION: dict[str, str] = dict(_ARGUMENTS)
+assert len(FIELD_SECTION) == len(_ARGUMENTS), "engine argument names must be unique across the sections"

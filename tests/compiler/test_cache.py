@@ -11,8 +11,8 @@ from tests.checkpoints import tiny_checkpoint
 from vgraph.compiler import cache as cache_mod
 from vgraph.compiler.backend import VgraphBackend
 from vgraph.compiler.cache import CompileCache
-from vgraph.compiler.compiled_model import CompiledForward
-from vgraph.compiler.setup import config_key
+from vgraph.compiler.compiled_forward import CompiledForward
+from vgraph.compiler.build import config_key
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
 from vgraph.models.loader import load_hf_config
 
@@ -85,6 +85,6 @@ def test_cache_key_covers_what_changes_the_output(monkeypatch):
     real = cache_mod.environment_fingerprint
     monkeypatch.setattr(cache_mod, "environment_fingerprint",
                         lambda device: {**real(device), "torch": "9.9.9"})
-    import vgraph.compiler.setup as setup_mod
-    monkeypatch.setattr(setup_mod, "environment_fingerprint", cache_mod.environment_fingerprint)
+    import vgraph.compiler.build as build_mod
+    monkeypatch.setattr(build_mod, "environment_fingerprint", cache_mod.environment_fingerprint)
     assert _key() != base, "a torch upgrade invalidates the cache"

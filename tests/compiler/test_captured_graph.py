@@ -14,7 +14,7 @@ import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
-from vgraph.compiler import captured
+from vgraph.compiler import captured_graph as captured
 
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 75)), [7]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -37,7 +37,7 @@ def cold(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VGRAPH_CACHE_DIR", str(root))
         llm = _engine()
-        return {"counters": llm.engine.compile_counters, "tokens": _tokens(llm), "root": root}
+        return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root}
 
 
 def _warm_from_copy(cold, tmp_path, monkeypatch):
@@ -57,7 +57,7 @@ def test_cold_start_traces_once_and_saves_the_captured_graph(cold):
 def test_warm_start_runs_no_dynamo_and_gives_the_same_tokens(cold, tmp_path, monkeypatch):
     _warm_from_copy(cold, tmp_path, monkeypatch)
     llm = _engine()
-    c = llm.engine.compile_counters
+    c = llm.engine.runner.compile_counters
     assert c.captured_graph == "loaded"
     assert c.graphs_seen == 0 and c.dynamo_seconds == 0.0 and c.inductor_compilations == 0
     assert c.pieces == cold["counters"].pieces and c.compiled_pieces == cold["counters"].compiled_pieces
@@ -69,7 +69,7 @@ def test_edited_model_code_traces_again(cold, tmp_path, monkeypatch):
     root = _warm_from_copy(cold, tmp_path, monkeypatch)
     monkeypatch.setattr(captured, "source_fingerprint", lambda model: "edited-source")
     llm = _engine()
-    c = llm.engine.compile_counters
+    c = llm.engine.runner.compile_counters
     assert c.graphs_seen == 1 and c.captured_graph == "saved"
     assert c.inductor_compilations == 0, "the pieces themselves are unchanged: loaded, not compiled"
     assert len(list(root.glob("compile/*/captured-*.pkl"))) == 2
@@ -83,7 +83,7 @@ def test_corrupt_record_means_tracing_again_with_a_warning(cold, tmp_path, monke
     with caplog.at_level(logging.WARNING, logger="vgraph"):
         llm = _engine()
     assert "captured graph" in caplog.text and "unreadable" in caplog.text
-    assert llm.engine.compile_counters.graphs_seen == 1
+    assert llm.engine.runner.compile_counters.graphs_seen == 1
     assert _tokens(llm) == cold["tokens"]
 
 
@@ -91,7 +91,7 @@ def test_missing_artifact_means_tracing_and_compiling_it(cold, tmp_path, monkeyp
     root = _warm_from_copy(cold, tmp_path, monkeypatch)
     next(root.glob("compile/*/*-dynamic.bin")).unlink()
     llm = _engine()
-    c = llm.engine.compile_counters
+    c = llm.engine.runner.compile_counters
     assert c.graphs_seen == 1 and c.inductor_compilations == 1
     assert _tokens(llm) == cold["tokens"]
 

@@ -11,16 +11,15 @@ import torch
 from tests.checkpoints import tiny_checkpoint
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
-from vgraph.compiler.setup import config_key
+from vgraph.compiler.build import config_key
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
 from vgraph.models.loader import load_hf_config
-from vgraph.ops.forward_context import AttentionMetadata
-from vgraph.worker.batch import FlatBatch, build_flat_batch
-from vgraph.worker.dispatch import CudaGraphMode, Path
+from vgraph.config import CudaGraphMode
+from vgraph.worker.dispatch import Decision, Path
 
 BATCH_SIZES = [1, 3, 7, 8, 9, 16, 25, 33]
 NEW_TOKENS = 6
-MAX_SEQS = 40  # decode buckets 1, 2, 4, 8, 16, 24, 32, 40
+MAX_SEQS = 40  # decode buckets 2, 4, 8, 16, 24, 32, 40 (one sequence runs padded to two rows)
 
 
 @pytest.fixture(scope="module")
@@ -42,41 +41,41 @@ def _expected(prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
 
 def test_buckets_are_enabled_on_cpu_without_graphs(llm):
     engine = llm.engine
-    assert engine.cudagraph_mode is CudaGraphMode.FULL_AND_PIECEWISE
-    assert engine.cudagraph_buckets.full == (1, 2, 4, 8, 16, 24, 32, 40)
-    assert engine.cudagraph_buckets.piecewise[-1] == 256
+    assert engine.runner.graphs.mode is CudaGraphMode.FULL_AND_PIECEWISE
+    assert engine.runner.graphs.buckets.full == (2, 4, 8, 16, 24, 32, 40), "1 is raised to the forward's 2"
+    assert engine.runner.graphs.buckets.piecewise[-1] == 256
     runner = engine.runner
-    assert runner.decode_buffers is not None and runner.full_graphs is None and runner.piecewise_graphs is None
-    assert engine.cudagraph_report.full_graphs == 0 and engine.cudagraph_report.piecewise_graphs == 0
+    assert runner.graphs.decode_buffers is not None and runner.graphs.full_graphs is None and runner.graphs.piecewise_graphs is None
+    assert engine.runner.startup.capture.full_graphs == 0 and engine.runner.startup.capture.piecewise_graphs == 0
 
 
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_greedy_tokens_equal_transformers_at_every_batch_size(llm, prompts, batch_size):
     runner = llm.engine.runner
-    runner.dispatch_counts.clear()
+    runner.graphs.dispatch_counts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch_size]], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _expected(prompt), f"prompt of {len(prompt)} tokens diverged"
-    bucket = next(b for b in llm.engine.cudagraph_buckets.full if b >= batch_size)
-    decodes = {k: v for k, v in runner.dispatch_counts.items() if k[0] is Path.FULL}
+    bucket = next(b for b in llm.engine.runner.graphs.buckets.full if b >= batch_size)
+    decodes = {k: v for k, v in runner.graphs.dispatch_counts.items() if k[0] is Path.FULL}
     assert decodes == {(Path.FULL, bucket): NEW_TOKENS - 1}, "every decode step in one padded FULL bucket"
     # one prefill step (the budget holds every prompt), less what the prefix cache served
     total = sum(len(p) - out.num_cached_tokens for p, out in zip(prompts, outs))
-    prefill = {k for k in runner.dispatch_counts if k[0] is not Path.FULL}
-    largest = llm.engine.cudagraph_buckets.piecewise[-1]
+    prefill = {k for k in runner.graphs.dispatch_counts if k[0] is not Path.FULL}
+    largest = llm.engine.runner.graphs.buckets.piecewise[-1]
     if total <= largest:
-        assert prefill == {(Path.PIECEWISE, next(b for b in llm.engine.cudagraph_buckets.piecewise if b >= total))}
+        assert prefill == {(Path.PIECEWISE, next(b for b in llm.engine.runner.graphs.buckets.piecewise if b >= total))}
     else:
         assert prefill == {(Path.NONE, total)}, "above the largest bucket: unpadded, no graph"
-    assert llm.engine.compile_counters.recompiles == 0
+    assert llm.engine.runner.compile_counters.recompiles == 0
 
 
 def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     """Requests arrive every few steps with different lengths, so decode batches rise and fall
     through several buckets and prefills mix with decodes."""
     engine, runner = llm.engine, llm.engine.runner
-    runner.dispatch_counts.clear()
+    runner.graphs.dispatch_counts.clear()
     arrivals = {0: [0, 1], 2: [2, 3, 4, 5, 6], 3: [7], 6: list(range(8, 20)), 9: list(range(20, 30))}
     max_tokens = {i: 3 + (7 * i) % 11 for i in range(30)}
     done: dict[str, list[int]] = {}
@@ -92,11 +91,11 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     assert len(done) == 30
     for i in range(30):
         assert done[f"g{i}"] == _expected(prompts[i], max_tokens[i]), f"request {i} diverged"
-    full_buckets = {b for path, b in runner.dispatch_counts if path is Path.FULL}
+    full_buckets = {b for path, b in runner.graphs.dispatch_counts if path is Path.FULL}
     assert len(full_buckets) >= 4, f"decode batches should cross several buckets, got {full_buckets}"
-    assert any(path is Path.PIECEWISE for path, _ in runner.dispatch_counts)
-    assert engine.compile_counters.recompiles == 0
-    assert engine.compile_counters.graphs_seen <= 1, "traced once (or not at all: a warm start)"
+    assert any(path is Path.PIECEWISE for path, _ in runner.graphs.dispatch_counts)
+    assert engine.runner.compile_counters.recompiles == 0
+    assert engine.runner.compile_counters.graphs_seen <= 1, "traced once (or not at all: a warm start)"
 
 
 def _warm_kv(llm, prompts, n):
@@ -118,42 +117,31 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
             engine.add_request("kv-new", {"prompt_token_ids": prompts[9]},
                                SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         sched = engine.scheduler.schedule()
-        runner = engine.runner
+        graphs = engine.runner.graphs
         with torch.inference_mode():
-            batch = build_flat_batch(sched, runner.spec.block_size, runner.device)
-            decision = runner.decide(batch)
+            batch, decision = graphs.build(sched)
             assert decision.path is (Path.FULL if kind == "decode" else Path.PIECEWISE) and decision.padding > 0
-            padded = runner.hidden_states(_copy(batch)).clone()
-            mode, runner.cudagraph_mode = runner.cudagraph_mode, CudaGraphMode.NONE
-            try:
-                plain = runner.hidden_states(_copy(batch)).clone()
-            finally:
-                runner.cudagraph_mode = mode
-        assert padded.shape == plain.shape == (batch.num_tokens, plain.shape[1])
+            padded = graphs.run(batch, decision).clone()
+            unpadded = Decision(Path.NONE, max(decision.num_tokens, graphs.min_tokens), decision.num_tokens)
+            plain = graphs.run(graphs.builder.build(sched, unpadded), unpadded).clone()
+        assert padded.shape == plain.shape == (decision.num_tokens, plain.shape[1])
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
         engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
     finally:
         engine.abort_request([f"kv{i}" for i in range(5)] + ["kv-new"])
 
 
-def _copy(batch: FlatBatch) -> FlatBatch:
-    m = batch.attn_metadata
-    meta = AttentionMetadata(m.slot_mapping.clone(), m.block_table.clone(), m.query_start_loc.clone(),
-                             m.seq_lens.clone(), m.max_query_len, m.max_seq_len)
-    return FlatBatch(batch.input_ids.clone(), batch.positions.clone(), meta, batch.sample_indices,
-                     batch.sampled_requests)
-
-
 def test_no_recompile_across_everything_above(llm):
-    assert llm.engine.compile_counters.graphs_seen <= 1 and llm.engine.compile_counters.recompiles == 0
+    assert llm.engine.runner.compile_counters.graphs_seen <= 1 and llm.engine.runner.compile_counters.recompiles == 0
 
 
 def test_enforce_eager_turns_graphs_and_buckets_off():
     eager = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=32,
                 enforce_eager=True, compile_config=CompileConfig(cudagraph_mode="full"))
-    assert eager.engine.cudagraph_mode is CudaGraphMode.NONE
-    assert eager.engine.runner.cudagraph_mode is CudaGraphMode.NONE and eager.engine.runner.decode_buffers is None
-    assert eager.engine.compile_counters is None
+    assert eager.engine.runner.graphs.mode is CudaGraphMode.NONE
+    assert eager.engine.config.compile.cudagraph_mode is CudaGraphMode.NONE
+    assert eager.engine.runner.graphs.decode_buffers is None
+    assert eager.engine.runner.compile_counters is None
 
 
 def test_graph_settings_do_not_change_the_compile_cache_key():

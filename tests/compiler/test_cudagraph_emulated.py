@@ -2,7 +2,7 @@
 
 A CUDA graph replay re-runs the captured kernels on the captured addresses: exactly the
 captured Python body run again, reading whatever the persistent buffers hold by then. Here
-``cudagraph._new_graph`` / ``cudagraph._record`` are replaced by a graph whose replay calls
+``piecewise_graphs.new_graph`` / ``piecewise_graphs.record`` are replaced by a graph whose replay calls
 the body, so everything around the graphs (persistent decode buffers filled in place,
 per-piece staging and output buffers, which inputs are copied and which are read in place,
 capture order, graph counts, dispatch to graphs) runs for real and is checked against
@@ -19,11 +19,11 @@ import torch
 from tests.checkpoints import tiny_checkpoint
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
-from vgraph.compiler import cudagraph
-from vgraph.config import CompileConfig
+from vgraph.compiler import piecewise_graphs
+from vgraph.config import CompileConfig, CudaGraphMode
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
-from vgraph.worker.batch import build_flat_batch, pad_tokens
-from vgraph.worker.dispatch import CudaGraphMode, Path
+from vgraph.worker.cuda_graphs import DummySource
+from vgraph.worker.dispatch import Path
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 MAX_SEQS = 40  # decode buckets 1..64: 64 is the first that holds 40 sequences
@@ -47,18 +47,29 @@ def _record(graph: EmulatedGraph, pool: object, body: Callable[[], None]) -> Non
     graph.body = body  # capture records without running
 
 
-@pytest.fixture(scope="module")
-def emulated():
-    patch = pytest.MonkeyPatch()
-    patch.setattr(cudagraph, "_new_graph", EmulatedGraph)
-    patch.setattr(cudagraph, "_record", _record)
+def _emulated_llm(mode: CudaGraphMode):
+    """An engine whose graphs are captured on CPU (the runner captures only on CUDA, so the
+    test calls the capture the runner would make there)."""
     llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=256,
               max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
-              compile_config=CompileConfig(cudagraph_mode="full_and_piecewise",
-                                           cudagraph_capture_sizes=SIZES))
-    report = llm.engine.runner._capture_graphs(pool=None)
-    yield llm, report
+              compile_config=CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES))
+    runner = llm.engine.runner
+    report = runner.graphs.capture(None, DummySource(runner.num_blocks, llm.engine.max_model_len, MAX_SEQS))
+    return llm, report
+
+
+@pytest.fixture(scope="module")
+def emulation():
+    patch = pytest.MonkeyPatch()
+    patch.setattr(piecewise_graphs, "new_graph", EmulatedGraph)
+    patch.setattr(piecewise_graphs, "record", _record)
+    yield
     patch.undo()
+
+
+@pytest.fixture(scope="module")
+def emulated(emulation):
+    return _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE)
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +78,24 @@ def prompts(emulated) -> list[list[int]]:
 
 
 def _piece_token_counts(sizes) -> set[int]:
-    # CompiledForward runs 1-token batches as 2 rows, so buckets 1 and 2 share the pieces' graphs
+    # the compiled forward runs at least 2 rows, so capture size 1 is raised to 2
     return {max(2, s) for s in sizes}
 
 
 def test_graph_counts(emulated):
     llm, report = emulated
-    buckets, counters = llm.engine.cudagraph_buckets, llm.engine.compile_counters
-    assert buckets.full == (1, 2, 4, 8, 16, 32, 64) and buckets.piecewise == tuple(SIZES)
+    buckets, counters = llm.engine.runner.graphs.buckets, llm.engine.runner.compile_counters
+    assert buckets.full == (2, 4, 8, 16, 32, 64) and buckets.piecewise == tuple(sorted(_piece_token_counts(SIZES)))
     assert report.full_graphs == len(buckets.full)
     assert report.piecewise_graphs == counters.compiled_pieces * len(_piece_token_counts(SIZES))
-    assert report.piecewise_buckets == len(SIZES)
+    assert report.piecewise_buckets == len(buckets.piecewise)
 
 
 def _buffer_pointers(runner) -> list[int]:
-    bufs = runner.decode_buffers
+    bufs = runner.graphs.decode_buffers
     ptrs = [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_table,
-                                   bufs.seq_lens, bufs.query_start_loc, runner.full_graphs.hidden)]
-    for _, pieces in runner.piecewise_graphs._pieces.values():
+                                   bufs.seq_lens, bufs.query_start_loc, runner.graphs.full_graphs.hidden)]
+    for _, pieces in runner.graphs.piecewise_graphs._pieces.values():
         for entry in pieces.graphs.values():
             ptrs += [t.data_ptr() for t in entry.inputs + entry.outputs if isinstance(t, torch.Tensor)]
     return ptrs
@@ -95,18 +106,18 @@ def test_greedy_tokens_with_graphs_equal_transformers(emulated, prompts, batch_s
     llm, _ = emulated
     runner = llm.engine.runner
     before = _buffer_pointers(runner)
-    bucket = next(b for b in llm.engine.cudagraph_buckets.full if b >= batch_size)
-    replays = runner.full_graphs.graphs[bucket].replays
-    runner.dispatch_counts.clear()
+    bucket = next(b for b in llm.engine.runner.graphs.buckets.full if b >= batch_size)
+    replays = runner.graphs.full_graphs.graphs[bucket].replays
+    runner.graphs.dispatch_counts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch_size]], params, use_tqdm=False)
     path = tiny_checkpoint(arch="llama")
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
-    assert runner.full_graphs.graphs[bucket].replays - replays == NEW_TOKENS - 1, "decode steps replayed"
-    assert runner.piecewise_graphs.misses == 0
+    assert runner.graphs.full_graphs.graphs[bucket].replays - replays == NEW_TOKENS - 1, "decode steps replayed"
+    assert runner.graphs.piecewise_graphs.misses == 0
     assert _buffer_pointers(runner) == before, "no buffer was reallocated between replays"
-    assert llm.engine.compile_counters.recompiles == 0
+    assert llm.engine.runner.compile_counters.recompiles == 0
 
 
 def _decode_state(llm, prompts, n: int):
@@ -133,19 +144,17 @@ def test_replay_equals_the_eager_forward_on_the_same_inputs(emulated, prompts, k
             engine.add_request("s-new", {"prompt_token_ids": prompts[7]},
                                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         sched = engine.scheduler.schedule()
+        graphs = runner.graphs
         with torch.inference_mode():
-            batch = build_flat_batch(sched, runner.spec.block_size, runner.device)
-            decision = runner.decide(batch)
+            batch, decision = graphs.build(sched)
             assert decision.path is Path(kind)
+            replayed = graphs.run(batch, decision).clone()
             if kind == "full":
-                replayed = runner.full_graphs.replay(batch, decision.bucket).clone()
-                inputs = runner.decode_buffers.inputs(decision.bucket)
+                inputs = graphs.decode_buffers.fill(batch)
                 eager = _eager(runner, inputs.input_ids, inputs.positions, inputs.attn_metadata)
             else:
-                padded = pad_tokens(batch, decision.bucket)
-                replayed = runner._run(padded, piecewise=True).clone()
-                eager = _eager(runner, padded.input_ids, padded.positions, padded.attn_metadata)
-        n = batch.num_tokens
+                eager = _eager(runner, batch.input_ids, batch.positions, batch.attn_metadata)
+        n = batch.num_scheduled
         torch.testing.assert_close(replayed[:n], eager[:n], rtol=1e-5, atol=1e-5)
         engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
     finally:
@@ -153,30 +162,28 @@ def test_replay_equals_the_eager_forward_on_the_same_inputs(emulated, prompts, k
 
 
 @pytest.mark.parametrize("mode", [CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE])
-def test_each_mode_captures_its_graphs_and_generates_the_same_tokens(emulated, prompts, mode):
-    llm, _ = emulated
+def test_each_mode_captures_its_graphs_and_generates_the_same_tokens(emulation, prompts, mode):
+    llm, report = _emulated_llm(mode)
     engine, runner = llm.engine, llm.engine.runner
-    runner.enable_buckets(mode, engine.cudagraph_buckets, engine.max_model_len)
-    report = runner._capture_graphs(pool=None)
-    pieces = engine.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
-    assert report.full_graphs == (len(engine.cudagraph_buckets.full) if mode.has_full else 0)
+    pieces = engine.runner.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
+    assert report.full_graphs == (len(engine.runner.graphs.buckets.full) if mode.has_full else 0)
     assert report.piecewise_graphs == (pieces if mode.has_piecewise else 0)
-    runner.dispatch_counts.clear()
+    runner.graphs.dispatch_counts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], params, use_tqdm=False)
     path = tiny_checkpoint(arch="llama")
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
-    paths = {p for p, _ in runner.dispatch_counts}
+    paths = {p for p, _ in runner.graphs.dispatch_counts}
     assert paths == ({Path.FULL} if mode.has_full else set()) | ({Path.PIECEWISE} if mode.has_piecewise else {Path.NONE})
-    assert engine.compile_counters.recompiles == 0
+    assert engine.runner.compile_counters.recompiles == 0
 
 
 # ------------------------------------------------------------------------------ unit level
 
 
 def test_piece_buffers_keep_strides_and_share_leading_rows():
-    bufs = cudagraph._Buffers()
+    bufs = piecewise_graphs._Buffers()
     q = torch.randn(8, 3, 4, 2)[:, 0]  # a strided view, as q/k/v split from one projection are
     big = bufs.like("q", q)
     assert big.shape == q.shape and big.stride() == q.stride()
@@ -188,12 +195,12 @@ def test_piece_buffers_keep_strides_and_share_leading_rows():
 
 
 def test_piece_graph_reads_weights_in_place_and_copies_per_call_inputs(monkeypatch):
-    monkeypatch.setattr(cudagraph, "_new_graph", EmulatedGraph)
-    monkeypatch.setattr(cudagraph, "_record", _record)
+    monkeypatch.setattr(piecewise_graphs, "new_graph", EmulatedGraph)
+    monkeypatch.setattr(piecewise_graphs, "record", _record)
     weight = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
     table = torch.randn(4)  # a buffer: not a Parameter, but the same object on every call
     fn = lambda w, x, t, n: [x @ w + t, x * n]  # noqa: E731
-    graphs = cudagraph.PieceGraphs()
+    graphs = piecewise_graphs.PieceGraphs()
     graphs.warm_up(3, fn, (weight, torch.randn(3, 4), table, 3))
     outs = graphs.capture(3, fn, (weight, torch.randn(3, 4), table, 3), pool=None, produced=set())
     entry = graphs.graphs[3]

@@ -12,9 +12,8 @@ import torch
 from tests.checkpoints import tiny_checkpoint
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
-from vgraph.config import CompileConfig
-from vgraph.worker.batch import build_flat_batch, pad_tokens
-from vgraph.worker.dispatch import CudaGraphMode, Path
+from vgraph.config import CompileConfig, CudaGraphMode
+from vgraph.worker.dispatch import Path
 
 from .test_cudagraph_emulated import _buffer_pointers, _decode_state, _eager, _piece_token_counts
 
@@ -45,9 +44,9 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["full", "piecewise", "full_and_piecewise"])
 def test_number_of_graphs_per_mode(mode):
     llm = _llm("float32", mode)
-    report, m = llm.engine.cudagraph_report, CudaGraphMode(mode)
-    pieces = llm.engine.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
-    assert report.full_graphs == (len(SIZES) if m.has_full else 0)
+    report, m = llm.engine.runner.startup.capture, CudaGraphMode(mode)
+    pieces = llm.engine.runner.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
+    assert report.full_graphs == (len(_piece_token_counts(SIZES)) if m.has_full else 0)
     assert report.piecewise_graphs == (pieces if m.has_piecewise else 0)
     assert report.memory_bytes > 0 and report.seconds > 0
 
@@ -62,21 +61,19 @@ def test_replay_equals_the_eager_forward(kind):
             engine.add_request("s-new", {"prompt_token_ids": _prompts()[7]},
                                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         sched = engine.scheduler.schedule()
+        graphs = runner.graphs
         with torch.inference_mode():
-            batch = build_flat_batch(sched, runner.spec.block_size, runner.device)
-            decision = runner.decide(batch)
+            batch, decision = graphs.build(sched)
             assert decision.path is Path(kind)
+            replayed = graphs.run(batch, decision).clone()
             if kind == "full":
-                replayed = runner.full_graphs.replay(batch, decision.bucket).clone()
-                inputs = runner.decode_buffers.inputs(decision.bucket)
+                inputs = graphs.decode_buffers.fill(batch)
                 eager = _eager(runner, inputs.input_ids, inputs.positions, inputs.attn_metadata)
             else:
-                padded = pad_tokens(batch, decision.bucket)
-                replayed = runner._run(padded, piecewise=True).clone()
-                eager = _eager(runner, padded.input_ids, padded.positions, padded.attn_metadata)
-        n = batch.num_tokens
+                eager = _eager(runner, batch.input_ids, batch.positions, batch.attn_metadata)
+        n = batch.num_scheduled
         torch.testing.assert_close(replayed[:n], eager[:n], rtol=1e-4, atol=1e-4)
-        assert runner.piecewise_graphs.misses == 0
+        assert runner.graphs.piecewise_graphs.misses == 0
         engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
     finally:
         engine.abort_request([f"s{i}" for i in range(5)] + ["s-new"])
@@ -89,22 +86,22 @@ def test_greedy_tokens_with_graphs_equal_tokens_without(dtype, batch_size):
     graphs, plain = _llm(dtype, "full_and_piecewise"), _llm(dtype, "none")
     runner = graphs.engine.runner
     before = _buffer_pointers(runner)
-    runner.dispatch_counts.clear()
+    runner.graphs.dispatch_counts.clear()
     with_graphs = _greedy(graphs, prompts)
     assert with_graphs == _greedy(plain, prompts)
     if dtype == "float32":
         path = tiny_checkpoint(arch="llama")
         assert with_graphs == [hf_greedy(path, tuple(p), NEW_TOKENS)[0] for p in prompts]
-    assert any(p is Path.FULL for p, _ in runner.dispatch_counts), "decode steps replayed FULL graphs"
+    assert any(p is Path.FULL for p, _ in runner.graphs.dispatch_counts), "decode steps replayed FULL graphs"
     assert _buffer_pointers(runner) == before, "buffers are not reallocated between replays"
-    assert graphs.engine.compile_counters.recompiles == 0
+    assert graphs.engine.runner.compile_counters.recompiles == 0
 
 
 def test_capture_fits_at_the_default_memory_setting():
     """Default capture sizes and gpu_memory_utilization: graph memory is reserved before the
     KV cache takes the rest, so capture does not run out of memory."""
     llm = LLM(tiny_checkpoint(arch="llama"), dtype="bfloat16", device="cuda")
-    report = llm.engine.cudagraph_report
-    assert report.full_graphs == len(llm.engine.cudagraph_buckets.full) == 35
+    report = llm.engine.runner.startup.capture
+    assert report.full_graphs == len(llm.engine.runner.graphs.buckets.full) == 34, "1 is raised to 2"
     assert 0 < report.memory_bytes <= report.estimated_bytes
     assert len(_greedy(llm, _prompts()[:3])[0]) == NEW_TOKENS

@@ -24,7 +24,7 @@ def fused_llm() -> LLM:
 
 
 def test_pass_matches_are_exactly_2L_and_L(fused_llm):
-    counters = fused_llm.engine.compile_counters
+    counters = fused_llm.engine.runner.compile_counters
     assert counters.pass_matches == {"RMSNormQuantFusionPass": 2 * LAYERS, "SiluMulFusionPass": LAYERS}
     assert counters.pieces == 2 * LAYERS + 1
 
@@ -40,5 +40,5 @@ def test_fused_model_generates_the_eager_tokens(fused_llm):
 
 def test_warm_start_reports_the_same_matches(fused_llm):
     again = LLM(_checkpoint(), dtype="float32", device="cpu", num_gpu_blocks=64)
-    assert again.engine.compile_counters.inductor_compilations == 0
-    assert again.engine.compile_counters.pass_matches == fused_llm.engine.compile_counters.pass_matches
+    assert again.engine.runner.compile_counters.inductor_compilations == 0
+    assert again.engine.runner.compile_counters.pass_matches == fused_llm.engine.runner.compile_counters.pass_matches

@@ -6,7 +6,7 @@ import torch
 
 from vgraph.compiler.backend import VgraphBackend
 from vgraph.compiler.cache import CompileCache
-from vgraph.compiler.compiled_model import CompiledForward
+from vgraph.compiler.compiled_forward import CompiledForward
 from vgraph.config import CompileConfig
 
 CALLS = {"attention": 0}

@@ -50,7 +50,7 @@ def test_greedy_tokens_equal_transformers(arch, mode):
     _check_equal_to_hf(path, llm, random_prompts(LENGTHS, llm.engine.vocab_size))
     assert _all_blocks_free(llm)
     if mode != "eager":
-        assert llm.engine.compile_counters.recompiles == 0
+        assert llm.engine.runner.compile_counters.recompiles == 0
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])

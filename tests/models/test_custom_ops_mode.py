@@ -129,14 +129,14 @@ def test_engine_resolves_the_switch_from_the_checkpoint(fp8_checkpoint, expected
     llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=32, compile_config=given)
     assert llm.engine.config.compile.custom_ops is expected
     assert given.custom_ops is None  # resolved on the engine's copy: reusable for another model
-    ops = {type(m).__name__: getattr(m, "use_custom_ops", None) for m in llm.engine.model.modules()}
+    ops = {type(m).__name__: getattr(m, "use_custom_ops", None) for m in llm.engine.runner.model.modules()}
     assert ops["RMSNorm"] is expected and ops["MLP"] is expected
 
 
 @pytest.mark.parametrize("custom_ops", [True, False])
 def test_without_custom_ops_the_passes_leave_plain_silu_to_inductor(custom_ops):
     """Lifting plain torch into ``vgraph::silu_and_mul`` would undo what custom_ops=False asked for."""
-    from vgraph.compiler.setup import build_pass_manager
+    from vgraph.compiler.build import build_pass_manager
     from vgraph.config import CompileConfig, EngineConfig
     manager = build_pass_manager(EngineConfig(ModelConfig("unused"), compile=CompileConfig(custom_ops=custom_ops)))
     silu = [p for p in manager.passes if type(p).__name__ == "SiluMulFusionPass"]

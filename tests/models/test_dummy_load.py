@@ -57,14 +57,14 @@ def test_dummy_model_generates_the_requested_tokens(tmp_path) -> None:
     outputs = llm.generate(["hello there", "the quick brown fox"], params, use_tqdm=False)
     for out in outputs:
         assert len(out.outputs[0].token_ids) == 7
-    assert any(p.abs().sum() > 0 for p in llm.engine.model.parameters())
+    assert any(p.abs().sum() > 0 for p in llm.engine.runner.model.parameters())
 
 
 def test_dummy_with_fp8_quantized_at_load(tmp_path) -> None:
     path = _config_only(tiny_checkpoint(arch="llama"), tmp_path / "llama")
     llm = LLM(path, load_format="dummy", quantization="fp8", device="cpu", enforce_eager=True,
               num_gpu_blocks=32, max_num_seqs=2)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert layers and all(m.weight.float().abs().sum() > 0 for m in layers)
     out = llm.generate(["hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
@@ -76,7 +76,7 @@ def test_dummy_with_static_fp8_checkpoint_config(tmp_path) -> None:
     path = _config_only(src, tmp_path / "fp8")
     llm = LLM(path, load_format="dummy", device="cpu", enforce_eager=True, num_gpu_blocks=32,
               max_num_seqs=2)
-    layers = [m for m in llm.engine.model.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert layers
     for m in layers:
         assert m.weight.float().abs().sum() > 0

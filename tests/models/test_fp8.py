@@ -292,7 +292,7 @@ def test_static_checkpoint_files() -> None:
 
 def test_static_checkpoint_generates_through_the_engine() -> None:
     llm = LLM(static_checkpoint(), dtype="float32", device="cpu", num_gpu_blocks=64)
-    assert llm.engine.runner is not None and llm.engine.model.dtype == torch.float32
+    assert llm.engine.runner is not None and llm.engine.runner.model.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate(["The sea was calm", [5, 6, 7]], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]

@@ -1,22 +1,24 @@
 """The dispatcher and the padding it implies, without a model: bucket choice per batch shape,
-capture sizes, and that padded attention inputs compute exactly what unpadded ones do."""
+capture sizes, the batch builder's padding, and that padded attention inputs compute exactly
+what unpadded ones do."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vgraph.config import CacheConfig, CompileConfig, SchedulerConfig
+from vgraph.config import CacheConfig, CompileConfig, CudaGraphMode, SchedulerConfig
 from vgraph.core.request import Request
-from vgraph.core.scheduler import Scheduler
+from vgraph.core.scheduler import Scheduler, SchedulerOutput
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.sampling_params import SamplingParams
-from vgraph.worker.batch import DecodeBuffers, build_flat_batch, pad_tokens
-from vgraph.worker.dispatch import (BatchShape, CudaGraphMode, Decision, Path, capture_sizes,
-                                    choose, default_capture_sizes, resolve_mode)
+from vgraph.worker.batch import BatchBuilder, FlatBatch
+from vgraph.worker.cuda_graphs import DecodeBuffers
+from vgraph.worker.dispatch import BatchShape, Decision, Path, capture_sizes, choose, default_capture_sizes
 
 DEFAULT = capture_sizes(CompileConfig(), max_num_seqs=256, max_num_batched_tokens=8192)
 BOTH = CudaGraphMode.FULL_AND_PIECEWISE
 BLOCK = 4
+BUILDER = BatchBuilder(BLOCK, torch.device("cpu"), num_kv_heads=2, max_model_len=64)
 
 
 def decode(n: int) -> BatchShape:
@@ -48,17 +50,22 @@ def test_sizes_can_be_overridden_and_are_validated():
     b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[8, 3, 3, 1, 600]), 256, 512)
     assert b.piecewise == (1, 3, 8) and b.full == (1, 3, 8)
     with pytest.raises(ValueError, match="positive"):
-        capture_sizes(CompileConfig(cudagraph_capture_sizes=[0, 4]), 256, 512)
+        CompileConfig(cudagraph_capture_sizes=[0, 4])
+
+
+def test_sizes_below_the_forwards_smallest_shape_are_raised_to_it():
+    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4]), 256, 512, min_tokens=2)
+    assert b.full == b.piecewise == (2, 4)
 
 
 def test_mode_resolution():
-    assert resolve_mode(CompileConfig()) is BOTH
-    assert resolve_mode(CompileConfig(), "cpu") is CudaGraphMode.NONE, "no graphs: no padding"
-    assert resolve_mode(CompileConfig(cudagraph_mode="full"), "cpu") is CudaGraphMode.FULL
-    assert resolve_mode(CompileConfig(level="none")) is CudaGraphMode.NONE, "eager: no graphs"
-    assert resolve_mode(CompileConfig(cudagraph_mode="piecewise")) is CudaGraphMode.PIECEWISE
+    assert CompileConfig().resolved_graph_mode("cuda") is BOTH
+    assert CompileConfig().resolved_graph_mode("cpu") is CudaGraphMode.NONE, "no graphs: no padding"
+    assert CompileConfig(cudagraph_mode="full").resolved_graph_mode("cpu") is CudaGraphMode.FULL
+    assert CompileConfig(level="none").resolved_graph_mode("cuda") is CudaGraphMode.NONE, "eager: no graphs"
+    assert CompileConfig(cudagraph_mode="piecewise").resolved_graph_mode("cuda") is CudaGraphMode.PIECEWISE
     with pytest.raises(ValueError, match="cudagraph_mode"):
-        resolve_mode(CompileConfig(cudagraph_mode="sometimes"))
+        CompileConfig(cudagraph_mode="sometimes")
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -89,6 +96,11 @@ def test_each_mode_offers_only_its_paths(mode, shape, expected):
     assert choose(shape, DEFAULT, mode) == expected
 
 
+def test_the_compiled_forwards_smallest_shape_pads_single_rows():
+    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE, min_tokens=2) == Decision(Path.NONE, 2, 1)
+    assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE, min_tokens=2) == Decision(Path.NONE, 5, 5)
+
+
 def test_every_shape_the_scheduler_can_produce_has_a_path():
     sched = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48)
     b = capture_sizes(CompileConfig(), sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -117,83 +129,81 @@ def _step(s: Scheduler):
     return sched
 
 
-def test_shapes_from_scheduler_output_and_flat_batch_agree():
+def test_pure_decode_is_judged_from_the_scheduler_output():
     s = _scheduler()
     for i, n in enumerate([5, 2, 9]):
         _add(s, str(i), n)
     prefill = s.schedule()
-    flat = build_flat_batch(prefill, BLOCK, torch.device("cpu"))
-    assert BatchShape.of_scheduled(prefill) == BatchShape.of_flat(flat) == mixed(16, 3)
-    assert choose(BatchShape.of_flat(flat), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
+    assert BatchShape.of_scheduled(prefill) == mixed(16, 3)
+    assert choose(BatchShape.of_scheduled(prefill), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
     s.update(prefill, {x.request.request_id: 7 for x in prefill.scheduled})
     step = s.schedule()
-    assert BatchShape.of_scheduled(step) == BatchShape.of_flat(build_flat_batch(step, BLOCK, torch.device("cpu"))) \
-        == decode(3)
+    assert BatchShape.of_scheduled(step) == decode(3)
     assert choose(BatchShape.of_scheduled(step), DEFAULT, BOTH) == Decision(Path.FULL, 4, 3)
 
 
 # ---------------------------------------------------------------------------- padding layout
 
 
-def _decode_batch(s: Scheduler, lengths: list[int]):
-    """A pure-decode FlatBatch over real block tables (prompts of ``lengths`` tokens)."""
+def _decode_sched(s: Scheduler, lengths: list[int]) -> SchedulerOutput:
+    """A pure-decode step over real block tables (prompts of ``lengths`` tokens)."""
     for i, n in enumerate(lengths):
         _add(s, f"r{i}", n)
     _step(s)
-    return build_flat_batch(s.schedule(), BLOCK, torch.device("cpu"))
+    return s.schedule()
 
 
-def test_pad_tokens_appends_rows_outside_every_sequence():
+def _build(sched: SchedulerOutput, path: Path, bucket: int) -> FlatBatch:
+    return BUILDER.build(sched, Decision(path, bucket, sum(x.num_new_tokens for x in sched.scheduled)))
+
+
+def test_token_padding_appends_rows_outside_every_sequence():
     s = _scheduler()
     for i, n in enumerate([5, 2]):
         _add(s, str(i), n)
-    batch = build_flat_batch(s.schedule(), BLOCK, torch.device("cpu"))
-    padded = pad_tokens(batch, 10)
+    sched = s.schedule()
+    batch, padded = _build(sched, Path.NONE, 7), _build(sched, Path.PIECEWISE, 10)
     meta = padded.attn_metadata
-    assert padded.num_tokens == 10 and padded.input_ids[7:].tolist() == [0, 0, 0]
+    assert padded.num_tokens == 10 and padded.num_scheduled == 7 and padded.input_ids[7:].tolist() == [0, 0, 0]
     assert meta.slot_mapping[7:].tolist() == [-1, -1, -1] and meta.slot_mapping[:7].tolist() == \
         batch.attn_metadata.slot_mapping.tolist()
     assert meta.query_start_loc.tolist() == [0, 5, 7], "padding rows belong to no sequence"
     assert torch.equal(padded.sample_indices, batch.sample_indices)
     with pytest.raises(ValueError):
-        pad_tokens(batch, 3)
+        _build(sched, Path.PIECEWISE, 3)
 
 
-def test_decode_buffers_hold_padding_sequences_and_never_move():
+def test_full_padding_adds_empty_sequences_and_the_buffers_never_move():
     s = _scheduler()
-    batch = _decode_batch(s, [5, 9, 2])
-    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, max_seq_len=64, device=torch.device("cpu"))
+    sched = _decode_sched(s, [5, 9, 2])
+    batch = _build(sched, Path.FULL, 4)
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu"))
     ptrs = [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping, bufs.block_table,
                                    bufs.seq_lens, bufs.query_start_loc)]
-    view = bufs.fill(batch, 4)
+    view = bufs.fill(batch)
     meta = view.attn_metadata
     assert view.input_ids.tolist() == [7, 7, 7, 0] and view.positions.tolist() == [5, 9, 2, 0]
     assert meta.seq_lens.tolist() == [6, 10, 3, 0], "the padding sequence is empty"
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4], "one row per sequence, padding included"
-    assert meta.slot_mapping[:3].tolist() == batch.attn_metadata.slot_mapping.tolist()
-    assert meta.slot_mapping[3] == -1 and meta.max_query_len == 1
+    assert meta.slot_mapping[3] == -1 and meta.max_query_len == 1 and meta.max_seq_len == 64
     # a smaller batch in the same bucket: the rows it no longer uses become padding again
-    smaller = build_flat_batch(_subset(s.schedule(), 1), BLOCK, torch.device("cpu"))
-    again = bufs.fill(smaller, 4)
+    sched.scheduled = sched.scheduled[:1]
+    again = bufs.fill(_build(sched, Path.FULL, 4))
     assert again is view, "the same views (the ones a graph was captured with) every time"
     assert meta.seq_lens[1:].tolist() == [0, 0, 0] and meta.slot_mapping[1:].tolist() == [-1, -1, -1]
     assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping,
                                            bufs.block_table, bufs.seq_lens, bufs.query_start_loc)]
 
 
-def _subset(sched, n):
-    sched.scheduled = sched.scheduled[:n]
-    return sched
-
-
 def test_decode_buffers_reject_what_they_cannot_hold():
     s = _scheduler()
-    batch = _decode_batch(s, [5, 9, 2])
-    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=2, max_seq_len=8, device=torch.device("cpu"))
+    sched = _decode_sched(s, [5, 9, 2])
     with pytest.raises(ValueError, match="width"):
-        bufs.fill(batch, 4)
-    with pytest.raises(ValueError, match="fit"):
-        DecodeBuffers(8, 16, 64, torch.device("cpu")).fill(batch, 2)
+        DecodeBuffers(max_seqs=8, max_blocks_per_seq=2, device=torch.device("cpu")).fill(_build(sched, Path.FULL, 4))
+    with pytest.raises(ValueError, match="exceed"):
+        DecodeBuffers(2, 16, torch.device("cpu")).fill(_build(sched, Path.FULL, 4))
+    with pytest.raises(ValueError, match="not a FULL batch"):
+        DecodeBuffers(8, 16, torch.device("cpu")).fill(_build(sched, Path.PIECEWISE, 4))
 
 
 # ---------------------------------------------------------------------------- padded attention
@@ -212,17 +222,18 @@ def _caches(num_blocks=64, kv_heads=2, head_dim=16):
 @pytest.mark.parametrize("path", ["full", "piecewise"])
 def test_padded_attention_equals_unpadded_and_writes_the_same_cache(path):
     s = _scheduler()
-    batch = _decode_batch(s, [5, 9, 2])
+    sched = _decode_sched(s, [5, 9, 2])
+    batch = _build(sched, Path.NONE, 3)
     n, bucket = batch.num_tokens, 8
     q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
     plain_caches = _caches()
     padded_caches = [(kc.clone(), vc.clone()) for kc, vc in plain_caches]
     expected = _attention(q, k, v, batch.attn_metadata, plain_caches)
     if path == "full":
-        bufs = DecodeBuffers(max_seqs=16, max_blocks_per_seq=16, max_seq_len=64, device=torch.device("cpu"))
-        meta = bufs.fill(batch, bucket).attn_metadata
+        bufs = DecodeBuffers(max_seqs=16, max_blocks_per_seq=16, device=torch.device("cpu"))
+        meta = bufs.fill(_build(sched, Path.FULL, bucket)).attn_metadata
     else:
-        meta = pad_tokens(batch, bucket).attn_metadata
+        meta = _build(sched, Path.PIECEWISE, bucket).attn_metadata
     pad = lambda t: torch.cat([t, torch.randn(bucket - n, *t.shape[1:])])  # noqa: E731
     out = _attention(pad(q), pad(k), pad(v), meta, padded_caches)
     torch.testing.assert_close(out[:n], expected, rtol=1e-6, atol=1e-6)

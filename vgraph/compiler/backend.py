@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from tqdm.auto import tqdm
 
 from ..config import CompileConfig
-from . import captured
+from . import captured_graph as captured
 from .cache import CompileCache
 from .counters import CompileCounters
 from .piece import PieceRunner, TokenDim, find_token_dim
@@ -109,13 +109,13 @@ class VgraphBackend:
             self.pending_capture = _PendingCapture(split, split_bytes, sources, records)
 
     def adopt_capture(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                      reference: torch.Tensor) -> Optional[captured.CapturedForward]:
+                      reference: torch.Tensor) -> Optional[captured.DirectForward]:
         """After the first Dynamo call: the direct call if it reproduces Dynamo's output bit for
         bit on the same inputs (saved for warm starts), else None (Dynamo's frame stays)."""
         pending, self.pending_capture = self.pending_capture, None
         if pending is None:
             return None
-        direct = captured.CapturedForward(pending.split, pending.sources, model)
+        direct = captured.DirectForward(pending.split, pending.sources, model)
         if not torch.equal(direct(input_ids, positions), reference):
             logger.warning("the captured graph called directly differs from Dynamo's frame; "
                            "keeping Dynamo (warm starts will trace again)")
@@ -133,7 +133,7 @@ class VgraphBackend:
         except OSError as exc:
             logger.warning("could not save the captured graph (%s); warm starts will trace again", exc)
 
-    def load_capture(self, model: torch.nn.Module) -> Optional[captured.CapturedForward]:
+    def load_capture(self, model: torch.nn.Module) -> Optional[captured.DirectForward]:
         """A warm start's forward without Dynamo: the captured graph and every piece's artifacts
         from the cache; None when any of it is missing or unreadable."""
         if not self.config.use_cache:
@@ -153,7 +153,7 @@ class VgraphBackend:
         c.compiled_pieces, c.unique_piece_graphs = len(hashes), len(set(hashes))
         c.captured_graph, c.captured_load_seconds = "loaded", time.perf_counter() - start
         self._record_pass_matches(hashes)
-        return captured.CapturedForward(split, record["sources"], model)
+        return captured.DirectForward(split, record["sources"], model)
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:
         """Read once per start: the warm lookup and the cold save both need it."""

@@ -102,7 +102,7 @@ class CompileCache:
             return False
 
     def captured_path(self, source_fingerprint: str) -> Optional[Path]:
-        """Where this graph's captured record goes (see captured.py); None without a cache."""
+        """Where this graph's captured record goes (see captured_graph.py); None without a cache."""
         if self.folder is None or not self._writable:
             return None
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """A compiled piece at run time: one artifact for the dynamic token count, plus one per
-``compile_sizes`` entry, chosen by the token count of each call. While the runner has
-PIECEWISE CUDA graphs active (cudagraph.py), the call goes through the piece's graph for
-that token count instead."""
+``compile_sizes`` entry, chosen by the token count of each call. When the forward context
+carries PIECEWISE CUDA graphs (piecewise_graphs.py), the call goes through the piece's graph
+for that token count instead."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from . import cudagraph
+from vgraph.ops.forward_context import current_forward_context
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class PieceRunner(torch.nn.Module):
         fn = self.dynamic
         if self.static and num_tokens is not None:
             fn = self.static.get(num_tokens, self.dynamic)
-        graphs = cudagraph.active_piecewise()
-        if graphs is not None and num_tokens is not None:
-            return self._unflatten(graphs.run(self, fn, args, num_tokens))
+        ctx = current_forward_context()
+        if ctx is not None and ctx.piecewise is not None and num_tokens is not None:
+            return self._unflatten(ctx.piecewise.run(self, fn, args, num_tokens))
         return self._unflatten(fn(*args))

@@ -41,10 +41,6 @@ class LoadStats:
     weights_bytes: int  # parameter bytes in the loaded dtype (what the weights occupy)
     load_seconds: float  # config read + model build + weight copy
 
-    @property
-    def weights_gib(self) -> float:
-        return self.weights_bytes / 2**30
-
 
 def format_bytes(num_bytes: int) -> str:
     """Human-readable size in MiB below 1 GiB, else GiB."""
@@ -133,12 +129,6 @@ def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
     if isinstance(value, str):
         value = getattr(torch, value, None)
     return value if isinstance(value, torch.dtype) else None
-
-
-def runs_quantized(model_config: ModelConfig) -> bool:
-    """Whether the model will run fp8: asked for, or an fp8 checkpoint (known before loading)."""
-    path = resolve_model_path(model_config.model, model_config.revision)
-    return resolve_quantization(model_config.quantization, load_hf_config(path)) is not None
 
 
 def load_model(model_config: ModelConfig, device: torch.device | str,

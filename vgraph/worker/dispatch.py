@@ -8,7 +8,9 @@ Three paths, as in vLLM:
 - PIECEWISE: any other batch of T tokens runs in the smallest token bucket >= T, padded
   with T' - T rows that belong to no sequence. On CUDA every compiled piece replays its graph
   for T' and attention runs eagerly between the pieces.
-- NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded.
+- NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded
+  (except up to its smallest shape: Dynamo specializes sizes 0 and 1, so the compiled
+  forward runs at least two rows, and capture sizes below two are raised to two).
 
 Without CUDA the default mode is NONE (padding would only add work); with a mode set
 explicitly the same decisions and the same padding run and each bucket is the compiled
@@ -25,26 +27,12 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from ..config import CompileConfig
+from ..config import CompileConfig, CudaGraphMode
 
-
-class CudaGraphMode(str, enum.Enum):
-    """The ``cudagraph_mode`` setting: which kinds of graphs exist."""
-
-    NONE = "none"
-    PIECEWISE = "piecewise"
-    FULL = "full"
-    FULL_AND_PIECEWISE = "full_and_piecewise"
-
-    @property
-    def has_full(self) -> bool:
-        return self in (CudaGraphMode.FULL, CudaGraphMode.FULL_AND_PIECEWISE)
-
-    @property
-    def has_piecewise(self) -> bool:
-        return self in (CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE)
+if TYPE_CHECKING:
+    from ..core.scheduler import SchedulerOutput
 
 
 class Path(str, enum.Enum):
@@ -53,25 +41,6 @@ class Path(str, enum.Enum):
     FULL = "full"
     PIECEWISE = "piecewise"
     NONE = "none"
-
-
-DEFAULT_MODE = CudaGraphMode.FULL_AND_PIECEWISE
-
-
-def resolve_mode(config: CompileConfig, device_type: str = "cuda") -> CudaGraphMode:
-    """The effective mode: graphs need the compiled forward, so eager means none. Unset, it
-    is FULL_AND_PIECEWISE on CUDA and NONE elsewhere: without graphs, padding a batch up to a
-    bucket only adds rows to compute (a 17-sequence decode would run as 24). Set explicitly,
-    the same buckets and padding run on CPU as on CUDA, which is how the tests exercise them."""
-    if config.level == "none":
-        return CudaGraphMode.NONE
-    if config.cudagraph_mode is None:
-        return DEFAULT_MODE if device_type == "cuda" else CudaGraphMode.NONE
-    try:
-        return CudaGraphMode(config.cudagraph_mode)
-    except ValueError:
-        choices = ", ".join(m.value for m in CudaGraphMode)
-        raise ValueError(f"unknown cudagraph_mode {config.cudagraph_mode!r}; choose one of {choices}") from None
 
 
 def default_capture_sizes(max_capture_size: int) -> list[int]:
@@ -93,17 +62,14 @@ class Buckets:
         return sizes[i] if i < len(sizes) else None
 
 
-def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int) -> Buckets:
-    """The buckets for an engine: the configured (or default) sizes, capped by what the
-    scheduler can produce. Raises ValueError for non-positive sizes."""
+def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                  min_tokens: int = 1) -> Buckets:
+    """The buckets for an engine: the configured (or default) sizes, raised to the forward's
+    ``min_tokens`` and capped by what the scheduler can produce."""
     wanted = config.cudagraph_capture_sizes
     if wanted is None:
-        if config.max_capture_size < 1:
-            raise ValueError(f"max_capture_size must be >= 1, got {config.max_capture_size}")
         wanted = default_capture_sizes(config.max_capture_size)
-    if any(not isinstance(s, int) or s < 1 for s in wanted):
-        raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {wanted}")
-    sizes = sorted({s for s in wanted if s <= max_num_batched_tokens})
+    sizes = sorted({max(s, min_tokens) for s in wanted if s <= max_num_batched_tokens})
     # Decode batches hold at most max_num_seqs rows: keep the first bucket that fits them all.
     first_full = Buckets.smallest_at_least(sizes, max_num_seqs)
     full = [s for s in sizes if first_full is None or s <= first_full]
@@ -119,15 +85,9 @@ class BatchShape:
     uniform_decode: bool  # every sequence has exactly one new token
 
     @classmethod
-    def of_flat(cls, batch) -> "BatchShape":
-        """From a ``FlatBatch`` (vgraph.worker.batch)."""
-        meta = batch.attn_metadata
-        n, s = batch.num_tokens, meta.num_seqs
-        return cls(n, s, n > 0 and n == s and meta.max_query_len == 1)
-
-    @classmethod
-    def of_scheduled(cls, sched) -> "BatchShape":
-        """From a ``SchedulerOutput``, before any tensor is built."""
+    def of_scheduled(cls, sched: "SchedulerOutput") -> "BatchShape":
+        """From a ``SchedulerOutput``, before any tensor is built: the one place a batch is
+        judged pure decode."""
         lens = [s.num_new_tokens for s in sched.scheduled]
         return cls(sum(lens), len(lens), bool(lens) and all(n == 1 for n in lens))
 
@@ -143,9 +103,10 @@ class Decision:
         return self.bucket - self.num_tokens
 
 
-def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision:
+def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_tokens: int = 1) -> Decision:
     """FULL for a pure-decode batch that fits a decode bucket, else PIECEWISE when the token
-    count fits a token bucket, else NONE at the batch's own size."""
+    count fits a token bucket, else NONE at the batch's own size (at least ``min_tokens``
+    rows: the compiled forward's smallest shape)."""
     n = shape.num_tokens
     if n > 0 and shape.uniform_decode and mode.has_full:
         bucket = Buckets.smallest_at_least(buckets.full, n)
@@ -155,4 +116,4 @@ def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision
         bucket = Buckets.smallest_at_least(buckets.piecewise, n)
         if bucket is not None:
             return Decision(Path.PIECEWISE, bucket, n)
-    return Decision(Path.NONE, n, n)
+    return Decision(Path.NONE, max(n, min_tokens) if n else 0, n)

@@ -25,6 +25,19 @@ class KVSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+@dataclass(frozen=True)
+class MemoryProfile:
+    """Device memory of the largest step the scheduler may run (measured on CUDA)."""
+
+    peak_bytes: int  # weights + activations + sampler of the profiled step, without its scratch KV
+    resident_bytes: int  # allocated before the step ran (weights)
+    tokens: int  # tokens in the profiled step
+
+    @property
+    def activation_bytes_per_token(self) -> float:
+        return max(0, self.peak_bytes - self.resident_bytes) / max(1, self.tokens)
+
+
 def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
                    profile_peak_bytes: int = 0, max_useful_blocks: int | None = None) -> int:
     """Blocks for the pool. ``profile_peak_bytes``: peak device memory of a max-size forward.

@@ -1,30 +1,45 @@
-"""The model runner: one scheduled step in, one sampled token per finished chunk out.
+"""The model runner: owns the model, the KV cache and the compiled forward, and turns one
+scheduled step into one sampled token per finished chunk.
 
-Each batch goes the way the dispatcher (dispatch.py) picks: a FULL bucket (pure decode,
-copied into persistent buffers; a CUDA graph replay on CUDA), a PIECEWISE token bucket
-(padded rows; per-piece CUDA graphs on CUDA), or the compiled forward at its own size.
+Its startup is one story, told in ``__init__``: load the model, profile the largest step
+(CUDA), size and allocate the KV cache, compile (or load from the compile cache), warm up,
+capture CUDA graphs. Every forward of that story (profiling, warm-up, capture) runs dummy
+scheduled requests through the same batch builder, dispatcher and sampler as a real step.
+The engine reads what it needs from ``num_blocks`` and ``startup``; nothing outside this
+package changes a runner.
 """
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 
-from ..compiler.cudagraph import CaptureReport, FullGraphs, Phase, PiecewiseGraphs, capture_all
-from ..core.scheduler import SchedulerOutput
-from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from .batch import DecodeBuffers, FlatBatch, build_flat_batch, pad_tokens
-from .dispatch import BatchShape, Buckets, CudaGraphMode, Decision, Path, choose
-from .kv_sizing import KVSpec, allocate_kv_caches
-from .sampler import Sampler, SamplingMetadata
+from vgraph.ops import build_cpu_kernels
 
-# Split-KV decode pays off when a decode batch has too few (sequence, kv head) programs to
-# fill the GPU and the contexts are long enough to split.
-_SPLIT_KV_MIN_SEQ_LEN = 2048
-_SPLIT_KV_MAX_PROGRAMS = 128
+from ..compiler.build import build_compiled_forward, log_compile_summary
+from ..compiler.cache import CompileCache
+from ..compiler.compiled_forward import MIN_TOKENS
+from ..compiler.counters import CompileCounters
+from ..config import CudaGraphMode, EngineConfig
+from ..core.scheduler import SchedulerOutput
+from ..models.loader import load_model
+from .batch import BatchBuilder
+from .cuda_graphs import CaptureReport, DummySource, GraphRunner, estimate_capture_bytes
+from .dispatch import Buckets, capture_sizes
+from .dummy import blocks_for, dummy_lengths, dummy_prefill
+from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for
+from .sampler import Sampler, SamplingMetadata
+from .startup import StartupReport
+
+logger = logging.getLogger("vgraph")
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Tokens of the warm-up step: enough to trace (or load) the compiled forward.
+_WARM_UP_TOKENS = 16
 
 
 @dataclass
@@ -34,156 +49,158 @@ class StepResult:
 
 
 class ModelRunner:
-    """Owns the model and the KV caches; builds the flat batch and runs forward + sampler."""
+    """Owns the model, the KV caches and the compiled forward; runs forward + sampler."""
 
-    def __init__(self, model: torch.nn.Module, spec: KVSpec, num_blocks: int,
-                 device: torch.device, vocab_size: int,
-                 forward_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> None:
-        self.model = model
-        # The compiled forward when compilation is on; the module itself when eager.
-        self.forward_fn = forward_fn or model
-        self.spec = spec
-        self.device = device
-        self.vocab_size = vocab_size
-        self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(spec, num_blocks, device)
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.is_resolved:
+            raise ValueError("ModelRunner takes a resolved EngineConfig (EngineConfig.resolved)")
+        self.config = config
+        self.device = config.torch_device
+        t0 = time.perf_counter()
+        if self.device.type == "cpu":
+            build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
+        self.model, self.hf_config, weights = load_model(config.model, self.device,
+                                                         use_custom_ops=config.compile.custom_ops)
+        t1 = time.perf_counter()
+        m = self.model
+        self.spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, config.cache.block_size, m.dtype)
+        self.vocab_size = m.vocab_size
+        self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
-        self.softmax_scale = float(model.softmax_scale)
-        # Buckets: off until enable_buckets(); graphs: only after capture_cudagraphs() on CUDA.
-        self.cudagraph_mode = CudaGraphMode.NONE
-        self.buckets = Buckets((), ())
-        self.max_model_len = 0
-        self.decode_buffers: Optional[DecodeBuffers] = None
-        self.full_graphs: Optional[FullGraphs] = None
-        self.piecewise_graphs: Optional[PiecewiseGraphs] = None
-        self.dispatch_counts: Counter[tuple[Path, int]] = Counter()  # (path, padded size) -> batches
+        self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
+        min_tokens = MIN_TOKENS if config.compile.compiled else 1
+        buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
+                                config.scheduler.max_num_batched_tokens, min_tokens)
+        profile = self._profile_memory()
+        reserve = self._graph_reserve(profile, buckets)
+        self.num_blocks = self._plan_blocks(profile, reserve)
+        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device)
+        t2 = time.perf_counter()
+        forward, self.compile_counters, self.compile_cache = self._compiled_forward()
+        self.graphs = GraphRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
+                                  config.compile.cudagraph_mode, buckets, min_tokens)
+        self._warm_up()
+        t3 = time.perf_counter()
+        if self.compile_counters is not None:
+            log_compile_summary(self.compile_counters, self.compile_cache, t3 - t2)
+        capture = replace(self._capture(), estimated_bytes=reserve)
+        if 0 < reserve < capture.memory_bytes:  # 0: KV size given, nothing reserved
+            logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
+                           capture.memory_bytes / 2**30, reserve / 2**30)
+        self.startup = StartupReport(t1 - t0, weights.weights_bytes, t2 - t1, self.num_blocks,
+                                     self.num_blocks * self.spec.bytes_per_block, profile, reserve, t3 - t2,
+                                     capture)
 
-    # ------------------------------------------------------------------ buckets and graphs
+    # ------------------------------------------------------------------ startup phases
 
     @torch.inference_mode()
-    def enable_buckets(self, mode: CudaGraphMode, buckets: Buckets, max_model_len: int) -> None:
-        """Pads every batch that fits a bucket from now on (call it with the compiled forward
-        in place). FULL buckets get persistent input buffers sized for the largest one
-        (inference tensors, like every other input: the compiled forward guards on that)."""
-        self.cudagraph_mode, self.buckets, self.max_model_len = mode, buckets, max_model_len
-        # Graphs belong to the buffers they were captured over: new buckets, new capture.
-        self.decode_buffers, self.full_graphs, self.piecewise_graphs = None, None, None
-        if mode.has_full and buckets.full:
-            max_blocks = -(-max_model_len // self.spec.block_size)
-            self.decode_buffers = DecodeBuffers(buckets.full[-1], max_blocks, max_model_len, self.device,
-                                                self._graph_kv_splits)
+    def _profile_memory(self) -> Optional[MemoryProfile]:
+        """On CUDA, unless the KV size is given: the peak device memory of the largest step
+        the scheduler may run (``max_num_batched_tokens`` tokens in prefills of at most
+        ``max_model_len``), sampler included, eager, over a scratch KV cache just large enough
+        (freed before returning)."""
+        if self.device.type != "cuda" or self.config.cache.num_gpu_blocks is not None:
+            return None
+        sched = self.config.scheduler
+        tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * self.config.max_model_len)
+        lens = dummy_lengths(tokens, self.config.max_model_len, sched.max_num_seqs)
+        scratch_blocks = blocks_for(lens, self.spec.block_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
+        caches = allocate_kv_caches(self.spec, scratch_blocks, self.device)
+        eager = GraphRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
+                            Buckets((), ()), 1)
+        self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch_blocks * self.spec.bytes_per_block
+        del caches, eager
+        torch.cuda.empty_cache()
+        return MemoryProfile(int(peak), int(resident), sum(lens))
 
-    def capture_cudagraphs(self) -> CaptureReport:
-        """On CUDA, captures the FULL and PIECEWISE graphs of the enabled buckets; elsewhere
-        there is nothing to capture (the buckets run the compiled forward at padded sizes)."""
-        if self.device.type != "cuda" or self.cudagraph_mode is CudaGraphMode.NONE:
+    def _graph_reserve(self, profile: Optional[MemoryProfile], buckets: Buckets) -> int:
+        """Memory to leave free for CUDA graph capture, which can only run once the KV cache
+        exists (the graphs bake its addresses in), so it is estimated now."""
+        if profile is None:
+            return 0
+        reserve = estimate_capture_bytes(profile.activation_bytes_per_token, self.model, buckets,
+                                         self.config.compile.cudagraph_mode, self.config.max_model_len,
+                                         self.spec.block_size)
+        if reserve:
+            logger.info("reserving %.3f GiB for CUDA graphs before sizing the KV cache", reserve / 2**30)
+        return reserve
+
+    def _plan_blocks(self, profile: Optional[MemoryProfile], reserve: int) -> int:
+        max_model_len = self.config.max_model_len
+        useful = self.config.scheduler.max_num_seqs * -(-max_model_len // self.spec.block_size)
+        non_kv = profile.peak_bytes + reserve if profile is not None else 0
+        blocks = num_blocks_for(self.spec, self.config.cache, self.device, non_kv, useful)
+        tokens = blocks * self.spec.block_size
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
+                    "max_model_len %d: %.2fx", blocks, self.spec.block_size, tokens,
+                    blocks * self.spec.bytes_per_block / 2**30, max_model_len, tokens / max_model_len)
+        return blocks
+
+    def _compiled_forward(self) -> tuple[Forward, Optional[CompileCounters], Optional[CompileCache]]:
+        """The compiled forward (traced or loaded at its first call: the warm-up), or the
+        eager module."""
+        if not self.config.compile.compiled:
+            return self.model, None, None
+        return build_compiled_forward(self.model, self.config, self.hf_config, self.device)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One dummy prefill through the real step: compiles (or loads) the forward before
+        the first request arrives."""
+        n = min(_WARM_UP_TOKENS, self.config.scheduler.max_num_batched_tokens, self.config.max_model_len)
+        self._step(self.graphs, dummy_prefill([n], self.spec.block_size, self.num_blocks))
+
+    def _capture(self) -> CaptureReport:
+        """On CUDA, captures the graphs of the mode's buckets; elsewhere there is nothing to
+        capture (the buckets run the compiled forward at padded sizes)."""
+        mode = self.config.compile.cudagraph_mode
+        if mode is CudaGraphMode.NONE:
+            logger.info("no CUDA graphs (cudagraph_mode=none%s): every batch runs the %s forward unpadded",
+                        "" if self.device.type == "cuda" else f", the default on {self.device.type}",
+                        "compiled" if self.config.compile.compiled else "eager")
             return CaptureReport()
-        return self._capture_graphs(torch.cuda.graph_pool_handle())
-
-    @torch.inference_mode()
-    def _capture_graphs(self, pool: object) -> CaptureReport:
-        full = None
-        if self.decode_buffers is not None:
-            full = FullGraphs(self.forward_fn, self.decode_buffers, self.kv_caches, self.softmax_scale, pool)
-        pieces = PiecewiseGraphs(pool) if self.cudagraph_mode.has_piecewise and self.buckets.piecewise else None
-        report = capture_all(full, self.buckets.full if full is not None else [], pieces,
-                             self.buckets.piecewise if pieces else [], self._padding_forward, self.device)
-        self.full_graphs, self.piecewise_graphs = full, pieces
+        if self.device.type != "cuda":
+            self._log_buckets_without_graphs()
+            return CaptureReport()
+        sched = self.config.scheduler
+        report = self.graphs.capture(torch.cuda.graph_pool_handle(),
+                                     DummySource(self.num_blocks, self.config.max_model_len, sched.max_num_seqs))
+        logger.info(report.summary())
         return report
 
-    def _graph_kv_splits(self, bucket: int) -> int:
-        """The split-KV count baked into a FULL graph: chosen for the longest context the
-        graph may see, since the graph cannot re-decide per step."""
-        return self._split_kv_count(bucket, self.max_model_len)
-
-    def _kv_splits(self, meta: AttentionMetadata) -> int:
-        if meta.max_query_len != 1:
-            return 1  # split-KV is a decode kernel
-        return self._split_kv_count(meta.num_seqs, meta.max_seq_len)
-
-    def _split_kv_count(self, num_seqs: int, max_seq_len: int) -> int:
-        """Splits only on CUDA, for contexts long enough to split, and only while the
-        unsplit grid has too few (sequence, kv head) programs to fill the GPU."""
-        if self.device.type != "cuda" or max_seq_len < _SPLIT_KV_MIN_SEQ_LEN:
-            return 1
-        if num_seqs * self.spec.num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
-            return 1
-        return min(16, max_seq_len // 1024)
-
-    # ------------------------------------------------------------------ forward
-
-    def forward(self, batch: FlatBatch) -> torch.Tensor:
-        """Hidden states of the rows to sample, for a batch built by ``build_flat_batch``."""
-        return self.hidden_states(batch)[batch.sample_indices]
-
-    def hidden_states(self, batch: FlatBatch) -> torch.Tensor:
-        """Hidden states of every row of the batch, run on the dispatcher's path; padding rows
-        are dropped. The result may be a view of a persistent buffer: consume it before the
-        next forward."""
-        decision = self.decide(batch)
-        self.dispatch_counts[(decision.path, decision.bucket)] += 1
-        if decision.path is Path.FULL:
-            hidden = self._run_full(batch, decision.bucket)
-        elif decision.path is Path.PIECEWISE:
-            hidden = self._run(pad_tokens(batch, decision.bucket), piecewise=True)
-        else:
-            hidden = self._run(batch, piecewise=False)
-        return hidden[:batch.num_tokens]
-
-    def decide(self, batch: FlatBatch) -> Decision:
-        return choose(BatchShape.of_flat(batch), self.buckets, self.cudagraph_mode)
-
-    def _run_full(self, batch: FlatBatch, bucket: int) -> torch.Tensor:
-        if self.full_graphs is not None and bucket in self.full_graphs.graphs:
-            return self.full_graphs.replay(batch, bucket)
-        inputs = self.decode_buffers.fill(batch, bucket)
-        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.softmax_scale)
-        with set_forward_context(ctx):
-            return self.forward_fn(inputs.input_ids, inputs.positions)
-
-    def _run(self, batch: FlatBatch, piecewise: bool) -> torch.Tensor:
-        batch.attn_metadata.num_kv_splits = self._kv_splits(batch.attn_metadata)
-        ctx = ForwardContext(batch.attn_metadata, self.kv_caches, self.softmax_scale)
-        graphs = self.piecewise_graphs.active(Phase.REPLAY) if piecewise and self.piecewise_graphs \
-            else contextlib.nullcontext()
-        with set_forward_context(ctx), graphs:
-            return self.forward_fn(batch.input_ids, batch.positions)
-
-    def _padding_forward(self, num_tokens: int) -> torch.Tensor:
-        """One forward over fresh dummy tokens that attend to nothing and write nothing."""
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.long, device=self.device),
-            block_table=torch.zeros((1, 1), dtype=torch.int32, device=self.device),
-            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.zeros(1, dtype=torch.int32, device=self.device),
-            max_query_len=num_tokens, max_seq_len=0)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        with set_forward_context(ForwardContext(meta, self.kv_caches, self.softmax_scale)):
-            return self.forward_fn(ids, torch.arange(num_tokens, device=self.device))
-
-    @torch.inference_mode()
-    def warm_up(self, num_tokens: int) -> None:
-        """One padding forward: triggers compilation (or the cache load) before the first
-        request arrives."""
-        self._padding_forward(num_tokens)
+    def _log_buckets_without_graphs(self) -> None:
+        g = self.graphs
+        full = g.buckets.full if g.mode.has_full else ()
+        pieces = g.buckets.piecewise if g.mode.has_piecewise else ()
+        logger.info("cudagraph_mode=%s on %s: no graphs; %d decode buckets (FULL, up to %s) and %d token "
+                    "buckets (PIECEWISE, up to %s) run the compiled forward at the padded size",
+                    g.mode.value, self.device.type, len(full), full[-1] if full else "-", len(pieces),
+                    pieces[-1] if pieces else "-")
 
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        batch = build_flat_batch(sched, self.spec.block_size, self.device)
-        if batch.num_tokens == 0:
+        return self._step(self.graphs, sched)
+
+    def _step(self, graphs: GraphRunner, sched: SchedulerOutput) -> StepResult:
+        """Build, forward on the dispatcher's path, logits of the sampled rows, sample."""
+        if not sched.scheduled:
             return StepResult({}, None)
-        hidden = self.forward(batch)
+        batch, decision = graphs.build(sched)
+        hidden = graphs.run(batch, decision)[batch.sample_indices]
         if not batch.sampled_requests:
             return StepResult({}, None)
         logits = self.model.compute_logits(hidden)
         meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device)
         out = self.sampler(logits, meta)
-        ids = out.token_ids.tolist()
-        sampled = {r.request_id: t for r, t in zip(batch.sampled_requests, ids)}
+        sampled = dict(zip((r.request_id for r in batch.sampled_requests), out.token_ids.tolist()))
         logprobs = None
         if out.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs)
-                        if lp is not None}
+            logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)

@@ -1,7 +1,7 @@
 """The model's forward under ``torch.compile`` with vgraph's backend.
 
 Dynamo traces ``forward(input_ids, positions)`` once with the token dimension dynamic. The
-traced, split graph is then called directly (captured.py), with no Dynamo frame in between,
+traced, split graph is then called directly (captured_graph.py), with no Dynamo frame in between,
 once it has reproduced Dynamo's output exactly; a warm start loads that graph from the compile
 cache and runs no Dynamo at all. If the graph cannot be called directly, calls go through
 Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
@@ -23,9 +23,9 @@ logger = logging.getLogger("vgraph")
 # one cache entry per trace; these limits allow that many engines (tests, benchmarks).
 _ENGINES_PER_PROCESS = 64
 
-# Dynamo specializes a dynamic dim on sizes 0 and 1, so one-token batches are padded to two
-# rows; the padding row attends to nothing, writes nothing, and is dropped.
-_MIN_TOKENS = 2
+# Dynamo specializes a dynamic dim on sizes 0 and 1, so the compiled forward serves two rows
+# and more; the runner's batch builder pads one-token batches (vgraph/worker/dispatch.py).
+MIN_TOKENS = 2
 
 
 class CompiledForward:
@@ -44,17 +44,15 @@ class CompiledForward:
         self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        n = input_ids.shape[0]
-        if n < _MIN_TOKENS:
-            pad = _MIN_TOKENS - n
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-            positions = torch.cat([positions, positions.new_zeros(pad)])
+        if input_ids.shape[0] < MIN_TOKENS:
+            raise ValueError(f"the compiled forward takes at least {MIN_TOKENS} rows, got "
+                             f"{input_ids.shape[0]}: pad the batch (the runner's batch builder does)")
         if self._direct is not None:
-            return self._direct(input_ids, positions)[:n]
+            return self._direct(input_ids, positions)
         if not self.traced:
-            return self._first_call(input_ids, positions)[:n]
+            return self._first_call(input_ids, positions)
         with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
-            return self._compiled(input_ids, positions)[:n]
+            return self._compiled(input_ids, positions)
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         self._direct = self.backend.load_capture(self.model)

@@ -10,7 +10,7 @@ from ..config import EngineConfig
 from ..paths import cache_dir
 from .backend import VgraphBackend
 from .cache import CompileCache, environment_fingerprint, stable_hash
-from .compiled_model import CompiledForward
+from .compiled_forward import CompiledForward
 from .counters import CompileCounters
 
 logger = logging.getLogger("vgraph")

@@ -1,46 +1,30 @@
-"""CUDA graph capture and replay: FULL graphs of the whole forward per decode bucket, and
-PIECEWISE graphs of each compiled piece per token bucket.
+"""PIECEWISE CUDA graphs: one graph per compiled piece per token bucket, and the capture
+primitives every CUDA graph of vgraph is recorded with.
 
-FULL (``FullGraphs``): for decode bucket B the forward, attention included, is captured over
-persistent input buffers (``vgraph.worker.batch.DecodeBuffers``): the attention op reads its
-metadata from the forward context at capture time, so the kernels' pointers are those
-buffers' and the runner copies each batch *into* them before replay. Host-side choices the
-attention op makes (``max_query_len`` = 1, the split-KV count) are fixed per graph. The
-output is copied, inside the graph, into one persistent hidden-state buffer.
-
-PIECEWISE (``PiecewiseGraphs``): the split graph runs as usual and each ``PieceRunner``
-(piece.py) hands its call to the active ``PiecewiseGraphs``, which captures or replays that
-piece's graph for the call's token count. Attention runs eagerly between the pieces, so
-mixed prefill/decode batches are served. A piece's inputs are either weights (same tensor
-every call), the previous piece's graph outputs (same address on every replay), or fresh
-tensors (the attention output, the padded input ids), which are copied into persistent
-staging buffers before replay. Outputs are copied, inside the graph, into persistent output
-buffers, so nothing a graph allocated stays alive after capture.
+The split graph runs as usual and each ``PieceRunner`` (piece.py) hands its call to the
+``PiecewiseGraphs`` carried by the current forward context (``ForwardContext.piecewise``,
+set by the worker's graph runner), which captures or replays that piece's graph for the
+call's token count. Attention runs eagerly between the pieces, so mixed prefill/decode
+batches are served. A piece's inputs are either weights (same tensor every call), the
+previous piece's graph outputs (same address on every replay), or fresh tensors (the
+attention output, the padded input ids), which are copied into persistent staging buffers
+before replay. Outputs are copied, inside the graph, into persistent output buffers, so
+nothing a graph allocated stays alive after capture.
 
 Every graph of an engine shares one memory pool and is captured largest first: scratch of
 smaller captures fits in what the larger ones freed, so the pool costs about one forward's
 activations at the largest bucket. Buffers of a slot are sized by the largest capture and
-smaller buckets use their leading rows.
-
-This module is only used on CUDA; on CPU the dispatcher runs the same padded buckets through
-the compiled forward without graphs (see vgraph/worker/dispatch.py).
+smaller buckets use their leading rows. FULL graphs of the whole forward live with the
+runner that owns their input buffers (vgraph/worker/cuda_graphs.py).
 """
 from __future__ import annotations
 
 import contextlib
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
-from unittest import mock
 
 import torch
-from tqdm.auto import tqdm
-
-from vgraph.ops.forward_context import ForwardContext, set_forward_context
-
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 class _Buffers:
     """Persistent tensors by slot, shared across token counts: a slot's tensor is made by its
@@ -83,11 +67,11 @@ def _flat(out: Any) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-def _new_graph() -> Any:
+def new_graph() -> Any:
     return torch.cuda.CUDAGraph()
 
 
-def _record(graph: Any, pool: Any, body: Callable[[], None]) -> None:
+def record(graph: Any, pool: Any, body: Callable[[], None]) -> None:
     """Captures what ``body`` launches into ``graph``. Replaying a graph re-runs the body's
     kernels on the same addresses, i.e. is ``body()`` again with whatever the buffers hold
     then; tests emulate CUDA graphs on CPU by replacing these two functions on that basis."""
@@ -145,8 +129,8 @@ class PieceGraphs:
                 if isinstance(dst, torch.Tensor):
                     dst.copy_(value)
 
-        graph = _new_graph()
-        _record(graph, pool, body)
+        graph = new_graph()
+        record(graph, pool, body)
         graph.replay()  # capture records without running: make this call's outputs real
         self.graphs[num_tokens] = _PieceGraph(graph, inputs, copied, outs)
         return outs
@@ -194,49 +178,38 @@ class Phase(enum.Enum):
     REPLAY = "replay"
 
 
-_active: Optional["PiecewiseGraphs"] = None
-
-
-def active_piecewise() -> Optional["PiecewiseGraphs"]:
-    """The graphs that ``PieceRunner`` calls go through right now (None: run plainly)."""
-    return _active
-
-
 class PiecewiseGraphs:
     """Every piece's graphs for one compiled model, keyed by the ``PieceRunner``."""
 
     def __init__(self, pool: Any) -> None:
         self.pool = pool
-        self.phase = Phase.REPLAY
         self._pieces: dict[int, tuple[Any, PieceGraphs]] = {}  # id(runner) -> (runner, graphs)
         self._produced: set[int] = set()
         self.misses = 0  # replays that found no graph for their token count (ran plainly)
 
     @contextlib.contextmanager
-    def active(self, phase: Phase) -> Iterator[None]:
-        """Routes piece calls through these graphs for one forward."""
-        global _active
-        previous, _active = _active, self
-        self.phase, self._produced = phase, set()
+    def forward(self, phase: Phase) -> Iterator["PiecewiseRun"]:
+        """One forward's worth of piece calls in ``phase``: put the yielded handle on the
+        forward context (``ForwardContext.piecewise``) and every piece goes through here."""
+        self._produced = set()
         try:
-            yield
+            yield PiecewiseRun(self, phase)
         finally:
-            _active = previous
             if phase is Phase.CAPTURE:
                 for _, graphs in self._pieces.values():
                     graphs.forget_warm_up()
 
-    def run(self, runner: Any, fn: Callable, args: Sequence, num_tokens: int) -> list:
+    def run(self, phase: Phase, runner: Any, fn: Callable, args: Sequence, num_tokens: int) -> list:
         graphs = self._graphs_of(runner)
-        if self.phase is Phase.WARMUP:
+        if phase is Phase.WARMUP:
             return graphs.warm_up(num_tokens, fn, args)
         out = graphs.replay(num_tokens, args) if num_tokens in graphs.graphs else None
-        if out is None and self.phase is Phase.CAPTURE:
+        if out is None and phase is Phase.CAPTURE:
             out = graphs.capture(num_tokens, fn, args, self.pool, self._produced)
         if out is None:
             self.misses += 1
             return _flat(fn(*args))
-        if self.phase is Phase.CAPTURE:
+        if phase is Phase.CAPTURE:
             self._produced.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
         return out
 
@@ -255,108 +228,12 @@ class PiecewiseGraphs:
         return sum(g.buffer_bytes for _, g in self._pieces.values())
 
 
-# --------------------------------------------------------------------------------------- FULL
+@dataclass(frozen=True)
+class PiecewiseRun:
+    """What a forward context carries for PIECEWISE graphs: whose graphs, and in which phase."""
 
+    graphs: PiecewiseGraphs
+    phase: Phase
 
-class FullGraphs:
-    """One graph of the whole forward per decode bucket, over ``DecodeBuffers``."""
-
-    def __init__(self, forward_fn: Forward, buffers: Any, kv_caches: Sequence, softmax_scale: float,
-                 pool: Any) -> None:
-        self.forward_fn, self.buffers, self.pool = forward_fn, buffers, pool
-        self.kv_caches, self.softmax_scale = kv_caches, softmax_scale
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: Optional[torch.Tensor] = None  # [max bucket, hidden], written by every graph
-
-    def capture(self, bucket: int) -> None:
-        inputs = self.buffers.inputs(bucket)
-        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.softmax_scale)
-
-        def body() -> None:
-            # The attention op reads the metadata here, at capture: the graph keeps these views.
-            with set_forward_context(ctx):
-                self.hidden[:bucket].copy_(self.forward_fn(inputs.input_ids, inputs.positions))
-
-        self.buffers.reset()  # all padding: the warm-up and capture runs write no KV
-        with set_forward_context(ctx):
-            warm = self.forward_fn(inputs.input_ids, inputs.positions)  # compiles Triton kernels
-        if self.hidden is None:
-            self.hidden = warm.new_empty((self.buffers.max_seqs, *warm.shape[1:]))
-        del warm
-        graph = _new_graph()
-        _record(graph, self.pool, body)
-        self.graphs[bucket] = graph
-
-    def replay(self, batch: Any, bucket: int) -> torch.Tensor:
-        """Hidden states of the padded bucket; rows past the batch's are padding."""
-        self.buffers.fill(batch, bucket)
-        self.graphs[bucket].replay()
-        return self.hidden[:bucket]
-
-
-# ------------------------------------------------------------------------------------ capture
-
-
-@dataclass
-class CaptureReport:
-    full_graphs: int = 0
-    piecewise_graphs: int = 0
-    piecewise_buckets: int = 0
-    seconds: float = 0.0
-    memory_bytes: int = 0  # device memory the capture took (pool, buffers, graph objects)
-    estimated_bytes: int = 0  # what the KV sizing reserved for it
-
-    def summary(self) -> str:
-        return (f"captured CUDA graphs: {self.full_graphs} FULL (decode buckets), "
-                f"{self.piecewise_graphs} PIECEWISE ({self.piecewise_buckets} token buckets x pieces) "
-                f"in {self.seconds:.2f} s; graph memory {self.memory_bytes / 2**30:.3f} GiB "
-                f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
-
-
-@contextlib.contextmanager
-def _quick_captures(device: torch.device) -> Iterator[None]:
-    """``torch.cuda.graph`` empties the allocator cache before every capture; over hundreds
-    of captures that dominates startup and frees nothing the pool could use, so it runs once
-    here instead."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    with mock.patch("torch.cuda.empty_cache", lambda: None):
-        yield
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Free device memory after pending work (0 where it cannot be measured)."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    return torch.cuda.mem_get_info(device)[0]
-
-
-def capture_all(full: Optional[FullGraphs], full_buckets: Sequence[int],
-                piecewise: Optional[PiecewiseGraphs], piecewise_buckets: Sequence[int],
-                run_dummy: Callable[[int], None], device: torch.device) -> CaptureReport:
-    """Captures a FULL graph per decode bucket, then every piece's graph
-    for each token bucket, largest first, with a progress bar; measures the device memory it
-    took. ``run_dummy(n)`` runs one forward of n padding tokens over *fresh* input tensors
-    (a piece tells weights from per-call inputs by whether the same object comes back)."""
-    full_jobs = sorted(full_buckets, reverse=True) if full is not None else []
-    piece_jobs = sorted(piecewise_buckets, reverse=True) if piecewise is not None else []
-    start, free_before = time.perf_counter(), _free_bytes(device)
-    with _quick_captures(device), tqdm(total=len(full_jobs) + len(piece_jobs), desc="capturing CUDA graphs",
-                                       unit="bucket", leave=False) as bar:
-        for bucket in full_jobs:
-            full.capture(bucket)
-            bar.update(1)
-        for num_tokens in piece_jobs:
-            for phase in (Phase.WARMUP, Phase.CAPTURE):
-                with piecewise.active(phase):
-                    run_dummy(num_tokens)
-            bar.update(1)
-    return CaptureReport(
-        full_graphs=len(full.graphs) if full is not None else 0,
-        piecewise_graphs=piecewise.num_graphs if piecewise is not None else 0,
-        piecewise_buckets=len(piece_jobs), seconds=time.perf_counter() - start,
-        memory_bytes=max(0, free_before - _free_bytes(device)))
+    def run(self, runner: Any, fn: Callable, args: Sequence, num_tokens: int) -> list:
+        return self.graphs.run(self.phase, runner, fn, args, num_tokens)

@@ -90,7 +90,7 @@ def bind_inputs(example_inputs: list, model: torch.nn.Module, call_inputs: dict[
     return sources
 
 
-class CapturedForward:
+class DirectForward:
     """Calls the split graph directly: the inputs gathered from the model and the arguments,
     the single output returned. What Dynamo's compiled frame does, minus the frame.
 

@@ -1,0 +1,311 @@
+"""The runner's forward on the dispatcher's path, and the CUDA graphs it replays.
+
+``GraphRunner`` owns everything about graphs at run time: the dispatcher's decision for a
+scheduled step, the persistent decode buffers and the FULL graphs captured over them, the
+PIECEWISE graphs of the compiled pieces (kept per piece in vgraph/compiler/piecewise_graphs.py;
+this class decides when they run and in which phase, through the forward context), the
+capture itself, and the estimate of the memory capture takes (needed before the KV cache is
+sized, while graphs can only be captured after it exists).
+
+FULL: for decode bucket B the forward, attention included, is captured over persistent
+input buffers (``DecodeBuffers``): the attention op reads its metadata from the forward
+context at capture time, so the kernels' pointers are those buffers' and each batch is
+copied *into* them before replay. Host-side choices the attention op makes
+(``max_query_len`` = 1, the split-KV count) are fixed per graph. The output is copied,
+inside the graph, into one persistent hidden-state buffer.
+
+Without CUDA nothing is captured and the same decisions and padding run the compiled
+forward at the padded size (vgraph/worker/dispatch.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+from unittest import mock
+
+import torch
+from tqdm.auto import tqdm
+
+from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+
+from ..compiler import piecewise_graphs
+from ..compiler.piecewise_graphs import Phase, PiecewiseGraphs
+from ..config import CudaGraphMode
+from ..core.scheduler import SchedulerOutput
+from .batch import BatchBuilder, FlatBatch
+from .dispatch import BatchShape, Buckets, Decision, Path, choose
+from .dummy import dummy_lengths, dummy_prefill
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# Device memory of a captured graph itself (its kernel nodes and their parameters), besides
+# the pool and buffers: deliberately generous, since running out of memory mid-capture is
+# worse than a few hundred KV blocks fewer.
+FULL_GRAPH_BYTES = 4 << 20
+PIECE_GRAPH_BYTES = 256 << 10
+
+
+@dataclass
+class DecodeInputs:
+    """The model inputs and attention metadata of one FULL bucket: views of ``DecodeBuffers``."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+
+
+class DecodeBuffers:
+    """Persistent inputs of FULL buckets, allocated once for the largest one; bucket B uses
+    views of the first B rows, so a graph captured over those views reads whatever ``fill``
+    copied in before replay. Every sequence of a FULL batch owns exactly one row, so
+    ``query_start_loc`` is ``0..B`` and is written once, here."""
+
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
+        self.max_seqs = max_seqs
+        self.input_ids = torch.zeros(max_seqs, **long)
+        self.positions = torch.zeros(max_seqs, **long)
+        self.slot_mapping = torch.full((max_seqs,), -1, **long)
+        self.block_table = torch.zeros((max_seqs, max(1, max_blocks_per_seq)), **i32)
+        self.seq_lens = torch.zeros(max_seqs, **i32)
+        self.query_start_loc = torch.arange(max_seqs + 1, **i32)
+        self._views: dict[int, DecodeInputs] = {}
+
+    def fill(self, batch: FlatBatch) -> DecodeInputs:
+        """Copies a FULL batch (already padded to its bucket by the builder) in place and
+        returns the bucket's views (the same objects every time: the metadata a graph was
+        captured with is the metadata it replays with)."""
+        meta, bucket = batch.attn_metadata, batch.num_tokens
+        self._check(batch)
+        view = self._views.get(bucket)
+        if view is None:
+            view = self._views[bucket] = self._view(bucket, meta)
+        self.input_ids[:bucket].copy_(batch.input_ids)
+        self.positions[:bucket].copy_(batch.positions)
+        self.slot_mapping[:bucket].copy_(meta.slot_mapping)
+        self.seq_lens[:bucket].copy_(meta.seq_lens)
+        # Columns past the batch's width keep stale ids: no sequence reads past its length.
+        self.block_table[:bucket, :meta.block_table.shape[1]].copy_(meta.block_table)
+        return view
+
+    def _view(self, bucket: int, meta: AttentionMetadata) -> DecodeInputs:
+        views = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], block_table=self.block_table[:bucket],
+            query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
+            max_query_len=1, max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
+        return DecodeInputs(self.input_ids[:bucket], self.positions[:bucket], views)
+
+    def _check(self, batch: FlatBatch) -> None:
+        meta, n = batch.attn_metadata, batch.num_tokens
+        if not (n == meta.num_seqs and meta.max_query_len == 1):
+            raise ValueError(f"not a FULL batch: {n} tokens in {meta.num_seqs} sequences, "
+                             f"max_query_len {meta.max_query_len}")
+        if n > self.max_seqs:
+            raise ValueError(f"{n} sequences exceed the largest FULL bucket {self.max_seqs}")
+        if meta.block_table.shape[1] > self.block_table.shape[1]:
+            raise ValueError(f"block table of width {meta.block_table.shape[1]} exceeds the "
+                             f"persistent buffer's {self.block_table.shape[1]} (max_model_len / block_size)")
+
+
+class FullGraphs:
+    """One graph of the whole forward per FULL bucket, writing one persistent output."""
+
+    def __init__(self, pool: Any, max_seqs: int) -> None:
+        self.pool, self.max_seqs = pool, max_seqs
+        self.graphs: dict[int, Any] = {}
+        self.hidden: Optional[torch.Tensor] = None  # [max bucket, hidden], written by every graph
+
+    def capture(self, bucket: int, run: Callable[[], torch.Tensor]) -> None:
+        """``run`` is the forward over the bucket's buffers, in its forward context."""
+        warm = run()  # compiles Triton kernels; sizes the output buffer
+        if self.hidden is None:
+            self.hidden = warm.new_empty((self.max_seqs, *warm.shape[1:]))
+        del warm
+        hidden = self.hidden
+        graph = piecewise_graphs.new_graph()
+        piecewise_graphs.record(graph, self.pool, lambda: hidden[:bucket].copy_(run()))
+        self.graphs[bucket] = graph
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        self.graphs[bucket].replay()
+        return self.hidden[:bucket]
+
+
+@dataclass
+class CaptureReport:
+    full_graphs: int = 0
+    piecewise_graphs: int = 0
+    piecewise_buckets: int = 0
+    seconds: float = 0.0
+    memory_bytes: int = 0  # device memory the capture took (pool, buffers, graph objects)
+    estimated_bytes: int = 0  # what the KV sizing reserved for it
+
+    def summary(self) -> str:
+        return (f"captured CUDA graphs: {self.full_graphs} FULL (decode buckets), "
+                f"{self.piecewise_graphs} PIECEWISE ({self.piecewise_buckets} token buckets x pieces) "
+                f"in {self.seconds:.2f} s; graph memory {self.memory_bytes / 2**30:.3f} GiB "
+                f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
+
+
+@dataclass(frozen=True)
+class DummySource:
+    """Where capture's dummy prefills get their blocks and lengths."""
+
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+
+    def prefill(self, num_tokens: int, block_size: int) -> SchedulerOutput:
+        lens = dummy_lengths(num_tokens, self.max_model_len, self.max_num_seqs)
+        return dummy_prefill(lens, block_size, self.num_blocks)
+
+
+class GraphRunner:
+    """Runs built batches on the dispatcher's path, and captures the graphs it replays."""
+
+    def __init__(self, forward: Forward, kv_caches: Sequence, softmax_scale: float, builder: BatchBuilder,
+                 mode: CudaGraphMode, buckets: Buckets, min_tokens: int) -> None:
+        self.forward_fn = forward
+        self.kv_caches = kv_caches
+        self.softmax_scale = softmax_scale
+        self.builder = builder
+        self.mode = mode
+        self.buckets = buckets if mode is not CudaGraphMode.NONE else Buckets((), ())
+        self.min_tokens = min_tokens
+        self.decode_buffers: Optional[DecodeBuffers] = None
+        if mode.has_full and self.buckets.full:
+            max_blocks = -(-builder.max_model_len // builder.block_size)
+            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device)
+        self.full_graphs: Optional[FullGraphs] = None
+        self.piecewise_graphs: Optional[PiecewiseGraphs] = None
+        self.dispatch_counts: Counter[tuple[Path, int]] = Counter()  # (path, padded size) -> batches
+
+    # ------------------------------------------------------------------ one batch
+
+    def decide(self, sched: SchedulerOutput) -> Decision:
+        return choose(BatchShape.of_scheduled(sched), self.buckets, self.mode, self.min_tokens)
+
+    def build(self, sched: SchedulerOutput) -> tuple[FlatBatch, Decision]:
+        decision = self.decide(sched)
+        return self.builder.build(sched, decision), decision
+
+    def run(self, batch: FlatBatch, decision: Decision) -> torch.Tensor:
+        """Hidden states of the batch's real rows (padding dropped). The result may be a view
+        of a persistent buffer: consume it before the next forward."""
+        self.dispatch_counts[(decision.path, decision.bucket)] += 1
+        if decision.path is Path.FULL:
+            hidden = self._run_full(batch, decision.bucket)
+        else:
+            replay = decision.path is Path.PIECEWISE and self.piecewise_graphs is not None
+            hidden = self._forward(batch, Phase.REPLAY if replay else None)
+        return hidden[:batch.num_scheduled]
+
+    def _run_full(self, batch: FlatBatch, bucket: int) -> torch.Tensor:
+        inputs = self.decode_buffers.fill(batch)
+        if self.full_graphs is not None and bucket in self.full_graphs.graphs:
+            return self.full_graphs.replay(bucket)
+        return self._forward_inputs(inputs.input_ids, inputs.positions, inputs.attn_metadata, None)
+
+    def _forward(self, batch: FlatBatch, phase: Optional[Phase]) -> torch.Tensor:
+        return self._forward_inputs(batch.input_ids, batch.positions, batch.attn_metadata, phase)
+
+    def _forward_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        phase: Optional[Phase]) -> torch.Tensor:
+        """The one place a forward context is made: metadata, caches, and how pieces run."""
+        pieces = self.piecewise_graphs.forward(phase) if phase is not None else contextlib.nullcontext()
+        with pieces as run:
+            with set_forward_context(ForwardContext(meta, self.kv_caches, self.softmax_scale, piecewise=run)):
+                return self.forward_fn(input_ids, positions)
+
+    # ------------------------------------------------------------------ capture
+
+    @torch.inference_mode()
+    def capture(self, pool: Any, dummies: DummySource) -> CaptureReport:
+        """Captures a FULL graph per decode bucket, then every piece's graph per token bucket,
+        largest first, with a progress bar; measures the device memory it took."""
+        device = self.builder.device
+        full_jobs = sorted(self.buckets.full, reverse=True) if self.decode_buffers is not None else []
+        piece_jobs = sorted(self.buckets.piecewise, reverse=True) if self.mode.has_piecewise else []
+        self.full_graphs = FullGraphs(pool, self.decode_buffers.max_seqs) if full_jobs else None
+        self.piecewise_graphs = PiecewiseGraphs(pool) if piece_jobs else None
+        start = time.perf_counter()
+        with _quick_captures(device):
+            free_before = _free_bytes(device)
+            with tqdm(total=len(full_jobs) + len(piece_jobs), desc="capturing CUDA graphs",
+                      unit="bucket", leave=False) as bar:
+                for bucket in full_jobs:
+                    self._capture_full(bucket)
+                    bar.update(1)
+                for num_tokens in piece_jobs:
+                    self._capture_pieces(num_tokens, dummies)
+                    bar.update(1)
+            used = max(0, free_before - _free_bytes(device))
+        return CaptureReport(full_graphs=len(full_jobs), piecewise_buckets=len(piece_jobs),
+                             piecewise_graphs=self.piecewise_graphs.num_graphs if self.piecewise_graphs else 0,
+                             seconds=time.perf_counter() - start, memory_bytes=used)
+
+    def _capture_full(self, bucket: int) -> None:
+        """Over an all-padding batch of the bucket: the warm-up and capture write no KV."""
+        batch = self.builder.build(SchedulerOutput(), Decision(Path.FULL, bucket, 0))
+        inputs = self.decode_buffers.fill(batch)
+        self.full_graphs.capture(bucket, lambda: self._forward_inputs(
+            inputs.input_ids, inputs.positions, inputs.attn_metadata, None))
+
+    def _capture_pieces(self, num_tokens: int, dummies: DummySource) -> None:
+        """Warm-up then capture, each over a fresh dummy batch: a piece tells weights from
+        per-call inputs by whether the same tensor object comes back."""
+        for phase in (Phase.WARMUP, Phase.CAPTURE):
+            sched = dummies.prefill(num_tokens, self.builder.block_size)
+            self._forward(self.builder.build(sched, Decision(Path.PIECEWISE, num_tokens, num_tokens)), phase)
+
+
+@contextlib.contextmanager
+def _quick_captures(device: torch.device) -> Iterator[None]:
+    """``torch.cuda.graph`` empties the allocator cache before every capture; over hundreds
+    of captures that dominates startup and frees nothing the pool could use, so it runs once
+    here instead (before the memory baseline is taken, so the baseline is not inflated by
+    whatever the allocator had cached)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    with mock.patch("torch.cuda.empty_cache", lambda: None):
+        yield
+
+
+def _free_bytes(device: torch.device) -> int:
+    """Free device memory after pending work (0 where it cannot be measured)."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Module, buckets: Buckets,
+                           mode: CudaGraphMode, max_model_len: int, block_size: int) -> int:
+    """Device memory CUDA graph capture will take:
+
+    - the shared pool: one forward's activations at the largest captured size;
+    - PIECEWISE buffers: per compiled piece (L + 1), staged attention output and the
+      outputs (q, k, v, residual) at the largest token bucket;
+    - FULL buffers: the persistent decode inputs and the hidden-state output;
+    - the graphs themselves, at a generous fixed size each.
+    """
+    full = list(buckets.full) if mode.has_full else []
+    pieces_sizes = list(buckets.piecewise) if mode.has_piecewise else []
+    if not full and not pieces_sizes:
+        return 0
+    elt = torch.empty((), dtype=model.dtype).element_size()
+    pool = activation_bytes_per_token * max(full + pieces_sizes)
+    num_pieces = model.num_layers + 1
+    q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    piece_io = elt * (2 * q_width + 2 * kv_width + model.hidden_size)
+    piece_buffers = num_pieces * piece_io * max(pieces_sizes, default=0)
+    per_seq = model.hidden_size * elt + 3 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
+    full_buffers = per_seq * max(full, default=0)
+    graphs = len(full) * FULL_GRAPH_BYTES + len(pieces_sizes) * num_pieces * PIECE_GRAPH_BYTES
+    return int(pool + piece_buffers + full_buffers + graphs)

@@ -1,0 +1,41 @@
+"""Dummy scheduled requests: what warm-up, memory profiling and graph capture run, so that
+they go through the same batch builder, dispatcher, forward and sampler as a real step.
+
+Their KV goes to real block ids (wrapped around the pool, or a scratch cache while
+profiling); that is harmless before serving starts, since a real request always writes its
+KV before reading it. Their sampling asks for top-k and top-p, so the profiled step includes
+the sampler's most memory-hungry path (a sort over the vocabulary per row).
+"""
+from __future__ import annotations
+
+from ..core.request import Request
+from ..core.scheduler import ScheduledRequest, SchedulerOutput
+from ..sampling_params import SamplingParams
+from .batch import PAD_TOKEN_ID
+
+_DUMMY_PARAMS = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1, seed=0)
+
+
+def dummy_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
+    """``num_tokens`` split into prefills of at most ``max_model_len`` tokens, as few as
+    possible (at most ``max_num_seqs``: the scheduler's limit too)."""
+    lens = [min(max_model_len, num_tokens - s) for s in range(0, num_tokens, max_model_len)]
+    return lens[:max_num_seqs]
+
+
+def dummy_prefill(lengths: list[int], block_size: int, num_blocks: int) -> SchedulerOutput:
+    """One fresh prefill per length, each over its own consecutive blocks (modulo the pool),
+    every one sampling a token."""
+    scheduled, first = [], 0
+    for i, n in enumerate(lengths):
+        req = Request(f"dummy-{i}", [PAD_TOKEN_ID] * n, _DUMMY_PARAMS)
+        count = -(-n // block_size)
+        req.block_ids = [(first + b) % num_blocks for b in range(count)]
+        first += count
+        scheduled.append(ScheduledRequest(req, n))
+    return SchedulerOutput(scheduled=scheduled)
+
+
+def blocks_for(lengths: list[int], block_size: int) -> int:
+    """Blocks ``dummy_prefill`` uses without wrapping (the size of a scratch cache)."""
+    return sum(-(-n // block_size) for n in lengths)
