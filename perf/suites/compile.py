@@ -22,7 +22,7 @@ compared with eager's. Compilation happens before timing, in ``LLM(...)``, into 
 a static fp8 checkpoint (``build_tiny_fp8_static_checkpoint(num_layers=2)``) and dynamic fp8
 (``LLM(tiny llama, quantization="fp8")``), each compiled cold in its own subprocess (fresh
 vgraph and Inductor caches, and no Dynamo state shared between models), recording
-``engine.compile_counters.pass_matches`` and the piece counts. Expected for static fp8 with L
+``engine.runner.compile_counters.pass_matches`` and the piece counts. Expected for static fp8 with L
 layers: RMSNormQuantFusionPass = 2L (input and post-attention norms feeding the static quant),
 SiluMulFusionPass = L (silu_and_mul feeding the static quant of down_proj's input).
 """
@@ -107,7 +107,7 @@ def throughput(path: str, device: str, concurrencies: tuple[int, ...], rounds: i
     engines, build_s, counters = {}, {}, {}
     for name in VARIANTS:
         engines[name], build_s[name] = build_llm(path, device, name, max_seqs)
-        c = engines[name].engine.compile_counters
+        c = engines[name].engine.runner.compile_counters
         counters[name] = c.as_dict() if c is not None else None
         print(f"  built {name} in {build_s[name]:.1f} s", flush=True)
     vocab = engines["eager"].engine.vocab_size
@@ -156,11 +156,12 @@ def family_main(family: str, workdir: str, device: str) -> None:
     from vgraph import LLM
     from vgraph.config import CompileConfig
     from vgraph.models import demo
+    from vgraph.testing import checkpoints
 
     path = os.path.join(workdir, "ckpt")
     extra: dict[str, Any] = {}
     if family == "fp8_static":
-        demo.build_tiny_fp8_static_checkpoint(path, seed=0, num_layers=2)
+        checkpoints.build_tiny_fp8_static_checkpoint(path, seed=0, num_layers=2)
     elif family == "fp8_dynamic":
         demo.build_tiny_checkpoint(path, "llama", seed=0)
         extra["quantization"] = "fp8"
@@ -174,12 +175,12 @@ def family_main(family: str, workdir: str, device: str) -> None:
     from vgraph import SamplingParams
     out = llm.generate([{"prompt_token_ids": [7, 8, 9, 10]}], SamplingParams(temperature=0.0, max_tokens=4,
                                                                                 ignore_eos=True), use_tqdm=False)
-    c = llm.engine.compile_counters.as_dict()
+    c = llm.engine.runner.compile_counters.as_dict()
     print("FAMILY_RESULT " + json.dumps({
         "family": family, "architecture": config.get("architectures", ["?"])[0],
         "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
         "quantization": extra.get("quantization") or config.get("quantization_config"),
-        "dtype": str(llm.engine.model.dtype), "build_s": build_s, "generated_tokens": len(out[0].outputs[0].token_ids),
+        "dtype": str(llm.engine.runner.model.dtype), "build_s": build_s, "generated_tokens": len(out[0].outputs[0].token_ids),
         "counters": c}), flush=True)
 
 
@@ -197,7 +198,7 @@ def expected_matches(family: str, layers: int) -> dict[str, int]:
 
 def fp8_static_available() -> Optional[str]:
     try:
-        from vgraph.models.demo import build_tiny_fp8_static_checkpoint  # noqa: F401
+        from vgraph.testing.checkpoints import build_tiny_fp8_static_checkpoint  # noqa: F401
         return None
     except ImportError as exc:
         return f"build_tiny_fp8_static_checkpoint not importable: {exc}"
@@ -232,7 +233,7 @@ def pass_matches(device: str, families: tuple[str, ...]) -> dict:
 
 
 def run(device: str, quick: bool = False) -> dict:
-    from vgraph.models.demo import build_perf_checkpoint
+    from vgraph.testing.checkpoints import build_perf_checkpoint
 
     concurrencies = (16,) if quick else (16, 64)
     rounds = 1 if quick else 3

@@ -11,7 +11,7 @@ scheduler), for batch sizes on and off the buckets. Every sequence has ``CONTEXT
 Models (``SHAPES``): on CUDA a Qwen2.5-0.5B-shaped and a Llama-3-8B-shaped model in bf16 with
 random weights (``load_format="dummy"``: config.json and a tokenizer only, no weight files;
 weights' values do not change speed); on CPU the ~26M perf checkpoint
-(``vgraph.models.demo.build_perf_checkpoint``) in fp32.
+(``vgraph.testing.checkpoints.build_perf_checkpoint``) in fp32.
 
 Systems, each an ``LLM``, timed interleaved (``perf.timing.time_variants``):
 
@@ -86,7 +86,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=8192, rms_norm_eps=1e-5)},
 }
-CPU_SHAPE = "perf-26m"  # vgraph.models.demo.build_perf_checkpoint(seed=0), real random weights
+CPU_SHAPE = "perf-26m"  # vgraph.testing.checkpoints.build_perf_checkpoint(seed=0), real random weights
 
 
 def batch_sizes(device: str, quick: bool) -> list[int]:
@@ -144,7 +144,7 @@ def write_model_dir(path: str | os.PathLike, name: str, num_layers: Optional[int
                         **demo._rope_kwargs({"rope_type": "default", "rope_theta": spec["rope_theta"]}))
     config.architectures = [spec["class"]]
     config.save_pretrained(out)
-    demo._save_tokenizer_files(out, tokenizer)
+    demo.save_tokenizer_files(out, tokenizer)
     return str(out)
 
 
@@ -202,27 +202,19 @@ def build_llm(path: str, device: str, max_seqs: int, options: dict, dummy: bool)
 
 @torch.inference_mode()
 def decode_batch(runner: Any, n: int, seed: int = 0) -> Any:
-    """A pure-decode FlatBatch of n sequences of CONTEXT tokens over distinct blocks
-    (inference tensors, as the runner makes them: the compiled forward guards on that)."""
-    from vgraph.ops.forward_context import AttentionMetadata
-    from vgraph.worker.batch import FlatBatch
-    dev, per_seq = runner.device, -(-(CONTEXT + 1) // BLOCK_SIZE)
-    table = torch.arange(n * per_seq, dtype=torch.int32).view(n, per_seq)
-    pos = torch.full((n,), CONTEXT, dtype=torch.long)
-    slots = table[:, CONTEXT // BLOCK_SIZE].long() * BLOCK_SIZE + CONTEXT % BLOCK_SIZE
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(6, runner.vocab_size, (n,), generator=g)
-    meta = AttentionMetadata(slot_mapping=slots.to(dev), block_table=table.to(dev),
-                             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-                             seq_lens=torch.full((n,), CONTEXT + 1, dtype=torch.int32, device=dev),
-                             max_query_len=1, max_seq_len=CONTEXT + 1)
-    return FlatBatch(ids.to(dev), pos.to(dev), meta, torch.arange(n, device=dev), [])
+    """A pure-decode step of n sequences of CONTEXT tokens over distinct blocks, built by the
+    runner's own batch builder on its dispatcher's path: (batch, decision)."""
+    from vgraph.worker.dummy import dummy_decode
+    first = int(torch.randint(6, runner.vocab_size - n, (1,), generator=torch.Generator().manual_seed(seed)))
+    return runner.graphs.build(dummy_decode(n, CONTEXT, BLOCK_SIZE, runner.num_blocks, first))
 
 
-def step_fn(runner: Any, batch: Any) -> Callable[[], object]:
+def step_fn(runner: Any, built: Any) -> Callable[[], object]:
+    batch, decision = built
+
     @torch.inference_mode()
     def step() -> object:
-        return runner.model.compute_logits(runner.forward(batch))
+        return runner.model.compute_logits(runner.graphs.run(batch, decision))
     return step
 
 
@@ -267,7 +259,7 @@ def measure(llms: dict[str, Any], device: str, sizes: list[int], peaks: dict[str
             reps: int) -> list[dict]:
     """Rows per batch size: each system's median step latency and bandwidth, timed interleaved."""
     rows = []
-    model = next(iter(llms.values())).engine.model
+    model = next(iter(llms.values())).engine.runner.model
     for n in sizes:
         runners = {name: llm.engine.runner for name, llm in llms.items()}
         batches = {name: decode_batch(r, n) for name, r in runners.items()}
@@ -324,7 +316,7 @@ def run_shape(name: str, device: str, sizes: list[int], reps: int, peaks: dict, 
               layers: Optional[int] = None, systems: Optional[dict[str, dict]] = None,
               force_pairs: bool = False) -> dict:
     """Builds the shape's systems (together, or eager + one other at a time) and measures them."""
-    from vgraph.models.demo import build_perf_checkpoint
+    from vgraph.testing.checkpoints import build_perf_checkpoint
     systems = systems or systems_for(device)
     dummy = name != CPU_SHAPE
     path = (write_model_dir(os.path.join(tmp, name), name, layers) if dummy
@@ -361,11 +353,9 @@ def run_shape(name: str, device: str, sizes: list[int], reps: int, peaks: dict, 
             built[sys_name], build_s[sys_name] = build_llm(path, device, max(sizes), systems[sys_name], dummy)
             if device == "cuda":
                 allocated[sys_name] = _gib(torch.cuda.memory_allocated() - before)
-            report = getattr(built[sys_name].engine, "cudagraph_report", None)
-            if report is not None:
-                graphs[sys_name] = vars(report)
+            graphs[sys_name] = vars(built[sys_name].engine.runner.startup.capture)
             print(f"  built {sys_name} in {build_s[sys_name]:.1f} s", flush=True)
-        model = built["eager"].engine.model
+        model = built["eager"].engine.runner.model
         info.setdefault("params", sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
         info.setdefault("weights_bytes", sum(p.numel() * p.element_size()
                                              for p in {id(p): p for p in model.parameters()}.values()))

@@ -102,7 +102,7 @@ class VgraphSystem:
         start = time.perf_counter()
         self.llm = LLM(path, **self.config)
         self.build_s = time.perf_counter() - start  # includes the cold compile when compiled
-        counters = self.llm.engine.compile_counters
+        counters = self.llm.engine.runner.compile_counters
         self.compile_counters = counters.as_dict() if counters is not None else None
         self._sampling = SamplingParams
 
@@ -330,7 +330,7 @@ class Bench:
 
 
 def run(device: str, quick: bool = False) -> dict:
-    from vgraph.models.demo import build_perf_checkpoint
+    from vgraph.testing.checkpoints import build_perf_checkpoint
 
     from .compile import git_state
     w = workload(quick)

@@ -124,7 +124,7 @@ def child_env(vgraph_cache: str, inductor_cache: str) -> dict[str, str]:
 
 
 def run(device: str, quick: bool = False) -> dict:
-    from vgraph.models.demo import build_perf_checkpoint
+    from vgraph.testing.checkpoints import build_perf_checkpoint
 
     from .compile import git_state
 

@@ -7,7 +7,7 @@ import tempfile
 import pytest
 
 from vgraph import LLM, SamplingParams
-from vgraph.models.demo import build_tiny_fp8_static_checkpoint
+from vgraph.testing.checkpoints import build_tiny_fp8_static_checkpoint
 
 LAYERS = 3  # the two middle pieces are identical graphs: counts must still be per site
 

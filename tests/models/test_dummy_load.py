@@ -11,7 +11,7 @@ from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
 from vgraph.cli import build_parser
 from vgraph.config import ModelConfig
-from vgraph.models import demo
+from vgraph.testing import checkpoints
 from vgraph.models.loader import load_model
 from vgraph.models.quantization import Fp8Linear
 
@@ -72,7 +72,7 @@ def test_dummy_with_fp8_quantized_at_load(tmp_path) -> None:
 
 def test_dummy_with_static_fp8_checkpoint_config(tmp_path) -> None:
     """A config that declares fp8 weights: random e4m3 weights with per-tensor scales."""
-    src = demo.build_tiny_fp8_static_checkpoint(tmp_path / "src", seed=0)
+    src = checkpoints.build_tiny_fp8_static_checkpoint(tmp_path / "src", seed=0)
     path = _config_only(src, tmp_path / "fp8")
     llm = LLM(path, load_format="dummy", device="cpu", enforce_eager=True, num_gpu_blocks=32,
               max_num_seqs=2)

@@ -22,7 +22,7 @@ from tests.checkpoints import TINY_ARCHS, process_tmp_dir, tiny_checkpoint
 from tests.models.test_models import PagedSequence
 from vgraph import LLM, SamplingParams
 from vgraph.config import ModelConfig
-from vgraph.models.demo import build_tiny_fp8_static_checkpoint
+from vgraph.testing.checkpoints import build_tiny_fp8_static_checkpoint
 from vgraph.models.linear import PackedLinear
 from vgraph.models.llama import Linear, LlamaForCausalLM
 from vgraph.models.loader import load_model

@@ -301,7 +301,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # CPU float32 projections run vgraph's packed GEMM (see models/packed.py), with the
+        # CPU float32 projections run vgraph's packed GEMM (PackedLinear in models/linear.py), with the
         # ops switch on or off: it picks how norms and activations are written, not the GEMM.
         self._pack_projections = torch.device(device).type == "cpu" and dtype == torch.float32
 

@@ -36,6 +36,19 @@ def dummy_prefill(lengths: list[int], block_size: int, num_blocks: int) -> Sched
     return SchedulerOutput(scheduled=scheduled)
 
 
+def dummy_decode(num_seqs: int, context: int, block_size: int, num_blocks: int, first_token: int = 6) -> SchedulerOutput:
+    """A pure-decode step: ``num_seqs`` sequences of ``context`` cached tokens each (over
+    distinct blocks, modulo the pool), one new token each (benchmarks of the decode path)."""
+    scheduled = []
+    per_seq = -(-(context + 1) // block_size)
+    for i in range(num_seqs):
+        req = Request(f"dummy-decode-{i}", [PAD_TOKEN_ID] * context + [first_token + i], _DUMMY_PARAMS)
+        req.block_ids = [(i * per_seq + b) % num_blocks for b in range(per_seq)]
+        req.num_computed_tokens = context
+        scheduled.append(ScheduledRequest(req, 1))
+    return SchedulerOutput(scheduled=scheduled)
+
+
 def blocks_for(lengths: list[int], block_size: int) -> int:
     """Blocks ``dummy_prefill`` uses without wrapping (the size of a scratch cache)."""
     return sum(-(-n // block_size) for n in lengths)
