@@ -20,7 +20,7 @@ def test_200_steps_of_varying_batches_cause_no_recompile():
                                     max_tokens=rng.randint(1, 30), ignore_eos=True)
             engine.add_request(str(next_id), [rng.randrange(3, 500) for _ in range(length)], params)
             next_id += 1
-        finished += sum(out.finished for out in engine.step())
+        finished += sum(out.finished for out in engine.step().outputs)
         steps += 1
     assert finished > 10 and next_id > 40
     counters = engine.compile_counters

@@ -84,7 +84,7 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
         for i in arrivals.get(step, []):
             engine.add_request(f"g{i}", {"prompt_token_ids": prompts[i]},
                                SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True))
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1

@@ -76,7 +76,7 @@ def test_abort_mid_flight_frees_every_block(llm):
     engine.abort_request(["a0", "a2"])
     finished = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == {"a1", "a3"}

@@ -9,13 +9,14 @@ import os
 import sys
 
 from vgraph.engine import llm_engine
+from vgraph.engine.stats import StepOutput
 
 _FAIL_AFTER = int(os.environ["VGRAPH_TEST_FAIL_AFTER_STEPS"])
 _original_step = llm_engine.LLMEngine.step
 _calls = 0
 
 
-def _failing_step(self: llm_engine.LLMEngine) -> list:
+def _failing_step(self: llm_engine.LLMEngine) -> StepOutput:
     global _calls
     _calls += 1
     if _calls > _FAIL_AFTER:

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from vgraph import LLM, SamplingParams
-from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError, StepReport
+from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from vgraph.engine.stats import StepOutput
 from vgraph.models.demo import ensure_demo_model
 from vgraph.paths import cache_dir
 
@@ -31,11 +32,11 @@ def _all_free(llm: LLM) -> bool:
 def test_outputs_equal_the_offline_api(llm, monkeypatch):
     prompts = ["The quick brown fox", "Once upon a time", "Rain fell on the roof"]
     offline = [o.outputs[0].text for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    reports: list[StepReport] = []
+    reports: list[StepOutput] = []
     stepping_threads: set[str] = set()
     step = llm.engine.step
 
-    def recording_step() -> list:
+    def recording_step() -> StepOutput:
         stepping_threads.add(threading.current_thread().name)
         return step()
 
@@ -59,11 +60,11 @@ def test_outputs_equal_the_offline_api(llm, monkeypatch):
 
     assert _run(main()) == offline
     assert stepping_threads == {"vgraph-engine"}, "only the engine thread touches the engine"
-    progress = [p for r in reports for p in r.progress]
+    progress = [p for r in reports for p in r.timings]
     assert sum(p.num_new_tokens for p in progress) == 3 * 12
     assert sum(p.time_to_first_token is not None for p in progress) == 3
     assert sorted(reason for p in progress for reason in p.finish_reasons) == ["length"] * 3
-    assert reports[-1].stats["num_running"] == 0 and _all_free(llm)
+    assert reports[-1].stats.num_running == 0 and _all_free(llm)
 
 
 def test_a_bad_prompt_rejects_the_whole_batch_and_aborts_free_everything(llm):
@@ -79,10 +80,10 @@ def test_a_bad_prompt_rejects_the_whole_batch_and_aborts_free_everything(llm):
             await collector.next()
             engine.abort(["c"])
             for _ in range(100):
-                if engine.stats["kv_usage"] == 0 and engine.stats["num_running"] == 0:
+                if engine.stats.kv_usage == 0 and engine.stats.num_running == 0:
                     break
                 await asyncio.sleep(0.02)
-            assert engine.stats["kv_usage"] == 0
+            assert engine.stats.kv_usage == 0
         finally:
             await engine.shutdown()
 
@@ -110,7 +111,7 @@ def test_the_queue_limit(llm):
 def test_a_failing_step_wakes_every_waiter_and_reports_once(llm, monkeypatch):
     fatal: list[BaseException] = []
 
-    def broken_step() -> list:
+    def broken_step() -> StepOutput:
         raise RuntimeError("boom")
 
     async def main() -> None:

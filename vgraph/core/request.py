@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,7 +32,6 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the cache (prefix-cache hits included).
@@ -45,8 +43,6 @@ class Request:
     # Per generated token: {token_id: logprob} including the chosen token (when logprobs asked).
     logprobs: list[dict[int, float]] = field(default_factory=list)
     generator: Optional[torch.Generator] = None
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
     # Mixed into the first prefix-cache block hash: requests with different salts never share KV.
     cache_salt: Optional[str] = None
 

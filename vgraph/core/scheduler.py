@@ -13,7 +13,6 @@ requests (closest to finishing, longest waited) making progress.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -57,9 +56,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted while building this step (now at the front of the waiting queue).
     preempted: list[Request] = field(default_factory=list)
-    # Requests that finished or were aborted since the previous step: the runner drops its
-    # per-request state for them.
-    finished_request_ids: set[str] = field(default_factory=set)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -75,10 +71,6 @@ class SchedulerOutput:
         """Every row is one token that is sampled: the batch can replay a FULL CUDA graph."""
         return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.produces_token
                                             for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -98,7 +90,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._finished_ids: set[str] = set()
 
     # -- queue management -------------------------------------------------------------------
 
@@ -152,8 +143,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Builds the next batch; ``num_computed_tokens`` is advanced later, by ``update``."""
-        output = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = set()
+        output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
@@ -220,12 +210,12 @@ class Scheduler:
         """Moves the head of the queue to running, past its cached prefix.
 
         ``num_cached_prefix_tokens`` (reported as cached prompt tokens) is set on the first
-        admission only; a re-admission after preemption may hit its own generated tokens.
+        admission only (never preempted yet); a re-admission after preemption may hit its own
+        generated tokens.
         """
         request.num_computed_tokens = num_hit_tokens
         request.status = RequestStatus.RUNNING
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+        if request.num_preemptions == 0:
             request.num_cached_prefix_tokens = num_hit_tokens
         self.running.append(request)
 
@@ -240,14 +230,13 @@ class Scheduler:
         """
         new_token_requests: list[Request] = []
         any_finished = False
-        now = time.monotonic()
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
                 continue
             request.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.produces_token:
-                self._append_token(request, sampled_token_ids[request.request_id], logprobs, now)
+                self._append_token(request, sampled_token_ids[request.request_id], logprobs)
                 new_token_requests.append(request)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if scheduled.produces_token and self._check_stop(request):
@@ -259,12 +248,10 @@ class Scheduler:
 
     @staticmethod
     def _append_token(request: Request, token_id: int,
-                      logprobs: Optional[dict[str, dict[int, float]]], now: float) -> None:
+                      logprobs: Optional[dict[str, dict[int, float]]]) -> None:
         request.output_token_ids.append(token_id)
         if logprobs is not None and request.request_id in logprobs:
             request.logprobs.append(logprobs[request.request_id])
-        if request.first_token_time is None:
-            request.first_token_time = now
 
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status after a new token; length caps win, as in vLLM.
@@ -294,7 +281,6 @@ class Scheduler:
         """Frees a finished request's blocks and forgets it (the queues are pruned by callers)."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
-        self._finished_ids.add(request.request_id)
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:

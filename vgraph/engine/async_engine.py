@@ -12,9 +12,11 @@ Outputs travel back with one ``loop.call_soon_threadsafe`` per step. Each caller
 ``RequestOutput`` carries the whole text, token ids and logprobs so far, so a slow consumer
 skips intermediate snapshots instead of queueing them, and memory per request stays bounded.
 
-The thread also measures what the metrics need (time to first token, inter-token latency,
-queue time, end-to-end latency, token counts) from timestamps taken where the work happens,
-and reports them per step through ``on_step``.
+What the metrics need (time to first token, inter-token latency, queue time, end-to-end
+latency, token counts, the engine's state) comes from the engine itself: each ``StepOutput``
+carries the step's ``RequestTiming``s and ``EngineStats``, and this class hands it to
+``on_step`` as it is. Requests enter the engine with the time they were submitted here, so
+their latencies include the wait for the engine thread.
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 
 from ..sampling_params import SamplingParams
 from .inputs import PromptType
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+from .stats import EngineStats, RequestTiming, StepOutput
 
 logger = logging.getLogger("vgraph")
 
@@ -45,41 +48,6 @@ class EngineNotReadyError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than ``max_queue_len`` allows; the caller should retry later."""
-
-
-@dataclass
-class RequestProgress:
-    """What one request did in one step, for metrics. Times are in seconds."""
-
-    request_id: str
-    num_prompt_tokens: int
-    num_new_tokens: int = 0  # over all of the request's sequences
-    time_to_first_token: Optional[float] = None  # set in the step that produced the first token
-    inter_token_latency: Optional[float] = None  # since the request's previous token
-    queue_time: Optional[float] = None  # submission to first scheduling, reported once
-    e2e_latency: Optional[float] = None  # submission to finish (not for aborts)
-    finish_reasons: list[str] = field(default_factory=list)  # one per sequence, when finished
-
-
-@dataclass
-class StepReport:
-    """Delivered on the event loop after each engine step (and after aborts)."""
-
-    progress: list[RequestProgress]
-    stats: dict[str, Any]
-
-
-@dataclass
-class _Track:
-    """Engine-thread bookkeeping for one request (never touched by the event loop)."""
-
-    submitted: float
-    num_prompt_tokens: int = 0
-    num_tokens: int = 0
-    first_token: Optional[float] = None
-    last_token: Optional[float] = None
-    scheduled: bool = False
-    num_sequences: int = 1
 
 
 class OutputCollector:
@@ -146,12 +114,13 @@ class AsyncEngine:
 
     ``engine_factory`` builds the engine (loading, and compiling unless eager) on the engine
     thread. ``max_queue_len`` bounds the requests waiting to be scheduled (``None``: no bound).
-    ``on_step`` receives a ``StepReport`` on the event loop; ``on_fatal`` is called once on the
-    event loop when the engine fails (at startup or later).
+    ``on_step`` receives each engine step's ``StepOutput`` on the event loop, and after a batch
+    of commands one with no outputs (the aborted requests' timings, the stats after the adds);
+    ``on_fatal`` is called once on the event loop when the engine fails (at startup or later).
     """
 
     def __init__(self, engine_factory: Callable[[], LLMEngine], *, max_queue_len: Optional[int] = None,
-                 on_step: Optional[Callable[[StepReport], None]] = None,
+                 on_step: Optional[Callable[[StepOutput], None]] = None,
                  on_fatal: Optional[Callable[[BaseException], None]] = None) -> None:
         if max_queue_len is not None and max_queue_len < 1:
             raise ValueError(f"max_queue_len must be at least 1, got {max_queue_len}")
@@ -169,8 +138,7 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self.error: Optional[BaseException] = None  # why the engine died (at startup or later)
         self.startup_error: Optional[BaseException] = None  # set when building the engine failed
-        self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0,
-                                      "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self.stats = EngineStats()  # the newest snapshot, updated on the event loop after each step
         # Set once ready: read-only facts about the engine, safe to use from the event loop.
         self.tokenizer: Any = None  # a private copy: Rust tokenizers must not be shared across threads
         self.max_model_len = 0
@@ -224,7 +192,7 @@ class AsyncEngine:
     @property
     def queue_length(self) -> int:
         """Requests submitted but not yet running: the last waiting count plus unseen submissions."""
-        return int(self.stats.get("num_waiting", 0)) + self._pending_adds
+        return self.stats.num_waiting + self._pending_adds
 
     async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Submits requests atomically: all are accepted, or none is and the error is raised.
@@ -306,17 +274,16 @@ class AsyncEngine:
             else:
                 command.accepted.set_exception(error)
 
-    def _on_outputs(self, outputs: list[RequestOutput], report: Optional[StepReport]) -> None:
-        for output in outputs:
+    def _on_step(self, step: StepOutput) -> None:
+        for output in step.outputs:
             collector = self._collectors.get(output.request_id)
             if collector is not None:
                 collector._put(output)
                 if output.finished:
                     del self._collectors[output.request_id]
-        if report is not None:
-            self.stats = report.stats
-            if self.on_step is not None:
-                self.on_step(report)
+        self.stats = step.stats
+        if self.on_step is not None:
+            self.on_step(step)
 
     def _on_fatal(self, error: BaseException) -> None:
         self.error = error
@@ -345,9 +312,8 @@ class AsyncEngine:
             self._post(self._on_startup_failed, exc)
             return
         self._post(self._on_ready, facts)
-        tracks: dict[str, _Track] = {}
         try:
-            self._serve(engine, tracks)
+            self._serve(engine)
         except BaseException as exc:
             logger.exception("engine step failed; the engine is dead")
             self._stopped.set()
@@ -355,7 +321,7 @@ class AsyncEngine:
             return
         self._stopped.set()
 
-    def _serve(self, engine: LLMEngine, tracks: dict[str, _Track]) -> None:
+    def _serve(self, engine: LLMEngine) -> None:
         """The step loop: take commands (blocking only when idle), step, report."""
         while True:
             idle = not engine.has_unfinished_requests()
@@ -365,34 +331,30 @@ class AsyncEngine:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            aborted: list[RequestProgress] = []
+            aborted: list[RequestTiming] = []
             for command in commands:
                 if isinstance(command, _Stop):
-                    engine.abort_request(list(tracks))
+                    engine.abort_all()
                     return
                 if isinstance(command, _Add):
-                    self._add(engine, command, tracks)
+                    self._add(engine, command)
                 elif isinstance(command, _Abort):
-                    aborted.extend(self._abort(engine, command.request_ids, tracks))
+                    aborted.extend(engine.abort_request(command.request_ids))
             if commands:
-                self._post(self._on_outputs, [], StepReport(aborted, engine.stats()))
+                self._post(self._on_step, StepOutput([], aborted, engine.stats()))
             if engine.has_unfinished_requests():
-                step_start = time.monotonic()
-                outputs = engine.step()
-                progress = self._measure(engine, outputs, tracks, step_start)
-                self._post(self._on_outputs, outputs, StepReport(progress, engine.stats()))
+                self._post(self._on_step, engine.step())
 
-    def _add(self, engine: LLMEngine, command: _Add, tracks: dict[str, _Track]) -> None:
+    def _add(self, engine: LLMEngine, command: _Add) -> None:
+        """Adds a batch of requests atomically: on any failure the ones added are taken back
+        (not counted as aborts: they were never accepted)."""
         added: list[str] = []
         try:
             for rid, prompt, params in command.items:
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, arrival_time=command.submitted)
                 added.append(rid)
-                tracks[rid] = _Track(command.submitted, num_sequences=params.n)
         except BaseException as exc:  # bad input (ValueError) or an unexpected failure: undo all
             engine.abort_request(added)
-            for rid in added:
-                tracks.pop(rid, None)
             if len(command.items) > 1 and isinstance(exc, ValueError):
                 index = next(i for i, item in enumerate(command.items) if item[0] not in added)
                 exc = ValueError(f"prompt {index}: {exc}")
@@ -401,56 +363,3 @@ class AsyncEngine:
             self._post(self._on_accepted, command, exc)
             return
         self._post(self._on_accepted, command, None)
-
-    @staticmethod
-    def _abort(engine: LLMEngine, request_ids: list[str], tracks: dict[str, _Track]) -> list[RequestProgress]:
-        known = [rid for rid in request_ids if rid in tracks]
-        engine.abort_request(known)
-        progress = []
-        for rid in known:
-            track = tracks.pop(rid)
-            progress.append(RequestProgress(rid, track.num_prompt_tokens,
-                                            finish_reasons=["abort"] * track.num_sequences))
-        return progress
-
-    @staticmethod
-    def _measure(engine: LLMEngine, outputs: list[RequestOutput], tracks: dict[str, _Track],
-                 step_start: float) -> list[RequestProgress]:
-        """Per-request timings and token counts for this step (engine thread)."""
-        now = time.monotonic()
-        unscheduled = {rid for rid, t in tracks.items() if not t.scheduled}
-        progress: dict[str, RequestProgress] = {}
-        if unscheduled:
-            # Sequence ids are the request id, or "<request id>#<i>" for n > 1.
-            for request in engine.scheduler.running:
-                rid = request.request_id if request.request_id in tracks else request.request_id.rsplit("#", 1)[0]
-                track = tracks.get(rid)
-                if track is not None and not track.scheduled and request.first_scheduled_time is not None:
-                    track.scheduled = True
-                    progress[rid] = RequestProgress(rid, track.num_prompt_tokens,
-                                                    queue_time=max(0.0, request.first_scheduled_time - track.submitted))
-        for output in outputs:
-            track = tracks.get(output.request_id)
-            if track is None:
-                continue
-            p = progress.get(output.request_id) or RequestProgress(output.request_id, len(output.prompt_token_ids))
-            p.num_prompt_tokens = track.num_prompt_tokens = len(output.prompt_token_ids)
-            if not track.scheduled:  # admitted and finished within this one step
-                track.scheduled = True
-                p.queue_time = max(0.0, step_start - track.submitted)
-            total = sum(len(c.token_ids) for c in output.outputs)
-            p.num_new_tokens = total - track.num_tokens
-            if p.num_new_tokens > 0:
-                if track.first_token is None:
-                    track.first_token = now
-                    p.time_to_first_token = now - track.submitted
-                else:
-                    p.inter_token_latency = now - (track.last_token or now)
-                track.last_token = now
-            track.num_tokens = total
-            if output.finished:
-                p.finish_reasons = [c.finish_reason or "abort" for c in output.outputs]
-                p.e2e_latency = now - track.submitted
-                del tracks[output.request_id]
-            progress[output.request_id] = p
-        return list(progress.values())

@@ -104,7 +104,7 @@ class LLM:
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                for out in self.engine.step().outputs:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)

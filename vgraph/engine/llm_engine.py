@@ -78,14 +78,21 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> None:
-        """Validates everything first: a bad request raises ValueError and touches nothing."""
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: Optional[float] = None) -> None:
+        """Validates everything first: a bad request raises ValueError and touches nothing.
+
+        ``arrival_time`` (``time.monotonic()``, default now) is when the request was submitted:
+        a server passes the time it took the request, so queue time and latencies include the
+        wait before the engine saw it.
+        """
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.validate(self.config.max_logprobs)
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
-        group = _Group(request_id, text, ids)
+        group = _Group(request_id, text, ids, arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -98,13 +105,23 @@ class LLMEngine:
             self._seq_to_group[seq.request.request_id] = request_id
         self._groups[request_id] = group
 
-    def abort_request(self, request_ids: str | list[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        seq_ids = [s.request.request_id for rid in ids if rid in self._groups
-                   for s in self._groups[rid].sequences]
-        self.scheduler.abort_requests(seq_ids)
-        for rid in ids:
-            self._forget(rid)
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestTiming]:
+        """Aborts unfinished requests in any state; unknown or finished ids are ignored.
+
+        Returns one timing per aborted request, finish reason "abort" for each of its
+        sequences, so that the caller's metrics count aborts like any other finish.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
+        groups = [self._groups[rid] for rid in ids if rid in self._groups]
+        self.scheduler.abort_requests([s.request.request_id for g in groups for s in g.sequences])
+        for group in groups:
+            self._forget(group.request_id)
+        return [RequestTiming(g.request_id, len(g.prompt_token_ids), finish_reasons=["abort"] * len(g.sequences))
+                for g in groups]
+
+    def abort_all(self) -> list[RequestTiming]:
+        """Aborts every unfinished request (a server shutting down)."""
+        return self.abort_request(list(self._groups))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -116,24 +133,62 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
-        """Schedules, runs the model once, and returns the outputs of requests that advanced."""
+    def step(self) -> StepOutput:
+        """Schedules, runs the model once, and returns the outputs of requests that advanced,
+        the timings of requests something happened to, and the engine's state after the step."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return []
+            return StepOutput([], [], self.stats())
+        first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
         result = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, result.sampled, result.logprobs)
-        touched: dict[str, _Group] = {}
+        token_time = time.monotonic()
+        new_tokens: dict[str, int] = {}  # group id -> tokens this step, over its sequences
         for req in advanced:
             group_id = self._seq_to_group[req.request_id]
-            group = self._groups[group_id]
-            self._detokenize(group, req)
-            touched[group_id] = group
-        outputs = [self._output(g) for g in touched.values()]
+            self._detokenize(self._groups[group_id], req)
+            new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
+        outputs = [self._output(self._groups[gid]) for gid in new_tokens]
+        timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time)
+                   for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)
-        return outputs
+        return StepOutput(outputs, timings, self.stats())
+
+    def _stamp_first_scheduled(self, sched: SchedulerOutput, now: float) -> set[str]:
+        """Stamps and returns the requests scheduled for the first time in this step.
+
+        Their queue time is reported in this step even when a chunked prefill produces no
+        token yet; re-admissions after preemption are not first schedulings.
+        """
+        first: set[str] = set()
+        for item in sched.scheduled:
+            group = self._groups[self._seq_to_group[item.request.request_id]]
+            if group.first_scheduled is None:
+                group.first_scheduled = now
+                first.add(group.request_id)
+        return first
+
+    @staticmethod
+    def _timing(group: _Group, num_new_tokens: int, first_scheduled: bool, now: float) -> RequestTiming:
+        """Stamps the request's token times and says what it did in this step."""
+        ttft = itl = None
+        if num_new_tokens:
+            if group.last_token is None:
+                group.first_token = now
+                ttft = group.first_token - group.arrival
+            else:
+                itl = now - group.last_token
+            group.last_token = now
+        queue_time = None
+        if first_scheduled and group.first_scheduled is not None:
+            queue_time = max(0.0, group.first_scheduled - group.arrival)
+        finished = group.finished
+        return RequestTiming(
+            group.request_id, len(group.prompt_token_ids), num_new_tokens, ttft, itl, queue_time,
+            e2e_latency=now - group.arrival if finished else None,
+            finish_reasons=[s.request.finish_reason or "abort" for s in group.sequences] if finished else [])
 
     def _detokenize(self, group: _Group, req: Request) -> None:
         seq = next(s for s in group.sequences if s.request is req)
@@ -158,8 +213,10 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.finished, cached)
 
-    def stats(self) -> dict[str, Any]:
-        pool = self.scheduler.kv_manager.pool
-        return {"num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
-                "kv_usage": pool.usage, "prefix_cache_queries": pool.prefix_cache_queries,
-                "prefix_cache_hits": pool.prefix_cache_hits, "num_preemptions": self.scheduler.num_preemptions}
+    def stats(self) -> EngineStats:
+        """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""
+        pool = self.scheduler.block_pool
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_usage=pool.usage, prefix_cache_queries=pool.prefix_cache_queries,
+                           prefix_cache_hits=pool.prefix_cache_hits,
+                           num_preemptions=self.scheduler.num_preemptions)

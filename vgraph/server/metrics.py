@@ -3,23 +3,23 @@
 Two kinds of series, fed two ways:
 
 - the engine's state (requests running/waiting, KV cache usage, prefix-cache and preemption
-  counters) is read from the latest stats snapshot at scrape time by a custom collector, so
-  the numbers are never stale and cost nothing between scrapes;
+  counters) is read from the latest ``EngineStats`` snapshot at scrape time by a custom
+  collector, so the numbers are never stale and cost nothing between scrapes;
 - per-request series (token counters, successes by finish reason, latency histograms) are
-  updated from each engine step's ``StepReport``.
+  updated from the ``RequestTiming``s of each engine step's ``StepOutput``.
 
 Each server gets its own ``CollectorRegistry``, so several apps in one process (tests) do not
 collide in the global registry.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.async_engine import StepReport
+from ..engine.stats import EngineStats, StepOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,34 +34,34 @@ _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.
 class _EngineStateCollector(Collector):
     """Gauges and engine-side counters from the newest stats snapshot."""
 
-    def __init__(self, stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self._stats = stats
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         labels, values = ["model_name"], [self._model]
-        for name, doc, key in (
-                ("vgraph:num_requests_running", "Requests in the running batch.", "num_running"),
-                ("vgraph:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
-                ("vgraph:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", "kv_usage")):
+        for name, doc, value in (
+                ("vgraph:num_requests_running", "Requests in the running batch.", s.num_running),
+                ("vgraph:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+                ("vgraph:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", s.kv_usage)):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(values, float(s.get(key, 0)))
+            gauge.add_metric(values, float(value))
             yield gauge
-        for name, doc, key in (
+        for name, doc, value in (
                 ("vgraph:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 "prefix_cache_queries"),
-                ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-                ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", "num_preemptions")):
+                 s.prefix_cache_queries),
+                ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
+                ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", s.num_preemptions)):
             counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(values, float(s.get(key, 0)))
+            counter.add_metric(values, float(value))
             yield counter
 
 
 class ServerMetrics:
     """The registry behind ``/metrics`` and the hook that feeds it from engine steps."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStateCollector(stats, model_name))
         self._model = model_name
@@ -83,10 +83,10 @@ class ServerMetrics:
         self._children = tuple(m.labels(model_name) for m in (
             self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e, self.queue_time))
 
-    def observe(self, report: StepReport) -> None:
-        """Folds one engine step into the series (runs on the event loop)."""
+    def observe(self, step: StepOutput) -> None:
+        """Folds one engine step's timings into the series (runs on the event loop)."""
         prompt_tokens, generation_tokens, ttft, itl, e2e, queue_time = self._children
-        for p in report.progress:
+        for p in step.timings:
             if p.num_new_tokens > 0:
                 generation_tokens.inc(p.num_new_tokens)
             if p.time_to_first_token is not None:

@@ -29,8 +29,6 @@ import torch
 
 from ..core.request import Request
 
-_GREEDY_EPS = 1e-5
-
 
 def _pad_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     """Right-pads ragged id lists into a [B, L] int64 tensor (L >= 1 so scatter has a column)."""
@@ -102,7 +100,7 @@ class SamplingMetadata:
                       device: torch.device | str = "cpu") -> "SamplingMetadata":
         """Gathers the batch's parameters into tensors on ``device``, one row per request."""
         params = [r.sampling_params for r in requests]
-        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]

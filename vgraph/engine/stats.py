@@ -1,0 +1,54 @@
+"""What one engine step hands its callers besides the outputs: per-request timings and the
+engine's state, as typed objects.
+
+This is the engine -> server contract. The engine stamps each request's times where the work
+happens (arrival, first scheduling, tokens, finish) and derives these from them, so its users
+(the async engine, the metrics) read them and never reach into the scheduler or keep a second
+set of clocks. Times are ``time.monotonic()`` seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .outputs import RequestOutput
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state; counters are totals since the engine started."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0 to 1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # prompt tokens found there
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """What one request (all of its ``n`` sequences) did in one step, for metrics.
+
+    A request appears in a step only when something happened to it: first scheduled (queue
+    time), new tokens, finished or aborted. Each latency is reported once, in the step it
+    became known.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_new_tokens: int = 0  # over all of the request's sequences
+    time_to_first_token: Optional[float] = None  # arrival to first token, in the step that made it
+    inter_token_latency: Optional[float] = None  # since the request's previous token
+    queue_time: Optional[float] = None  # arrival to first scheduling, in the step that scheduled it
+    e2e_latency: Optional[float] = None  # arrival to finish (not for aborts)
+    finish_reasons: list[str] = field(default_factory=list)  # one per sequence, once finished
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The result of ``LLMEngine.step()``: the requests that advanced, their timings, the state after."""
+
+    outputs: list[RequestOutput]
+    timings: list[RequestTiming]
+    stats: EngineStats
