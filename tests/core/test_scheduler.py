@@ -16,6 +16,7 @@ from vgraph.config import CacheConfig, SchedulerConfig
 from vgraph.core.request import Request, RequestStatus
 from vgraph.core.scheduler import Scheduler, SchedulerOutput
 from vgraph.sampling_params import SamplingParams
+from vgraph.worker.dispatch import BatchShape
 
 BS = 4
 VOCAB = 50
@@ -153,12 +154,12 @@ def test_chunked_prefill_splits_prompt_and_mixes_with_decodes():
         rows = {s.request.request_id: s for s in output.scheduled}
         assert rows["decoder"].num_new_tokens == 1 and rows["decoder"].produces_token
         chunks.append(rows["long"].num_new_tokens)
-        assert not output.is_pure_decode
+        assert not BatchShape.of_scheduled(output).uniform_decode
         assert rows["long"].produces_token == (len(chunks) == 4)
     assert chunks == [16, 16, 16, 2]
     assert long.num_computed_tokens == 50 and len(long.output_token_ids) == 1
     output, _ = step(scheduler, model)
-    assert output.is_pure_decode and output.num_batched_tokens == 2
+    assert BatchShape.of_scheduled(output).uniform_decode and output.num_batched_tokens == 2
     run(scheduler, model)
     assert long.output_token_ids == reference(long.prompt_token_ids, 4)
     assert decoder.output_token_ids == reference(decoder.prompt_token_ids, 20)

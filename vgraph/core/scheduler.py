@@ -66,12 +66,6 @@ class SchedulerOutput:
         """The scheduled requests that produce a token this step, in batch order."""
         return [s for s in self.scheduled if s.produces_token]
 
-    @property
-    def is_pure_decode(self) -> bool:
-        """Every row is one token that is sampled: the batch can replay a FULL CUDA graph."""
-        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.produces_token
-                                            for s in self.scheduled)
-
 
 class Scheduler:
     """Decides each step's batch and folds the sampled tokens back into the requests."""
