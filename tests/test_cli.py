@@ -60,6 +60,8 @@ def test_generate_on_the_demo_model(tmp_path):
     (["--temperature", "-1"], "temperature must be non-negative"),
     (["--model", "/nonexistent/model"], "is not a directory"),
     (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["--pass", "no_such_module_for_vgraph:MyPass"], "--pass 'no_such_module_for_vgraph:MyPass': cannot import"),
+    (["--block-size", "0"], "block_size must be at least 1"),
 ])
 def test_generate_bad_input_exits_2_with_a_message(tmp_path, args, message):
     result = vgraph("generate", "--prompt", "Hello", "--device", "cpu", "--kv-cache-gib", "0.01",
@@ -84,3 +86,25 @@ def test_compile_then_generate_loads_from_the_cache(tmp_path):
     assert "no Dynamo trace, no Inductor compilation" in generated.stderr, "a fresh process loads, traces nothing"
     cleared = vgraph("cache", "clear", env=env)
     assert cleared.returncode == 0 and "removed 1" in cleared.stdout
+
+
+def test_parser_and_help_do_not_import_torch():
+    """The engine flags come from vgraph.config (which imports torch): they are added only when
+    an engine command is parsed, so ``vgraph --help`` and a mistyped command answer at once."""
+    code = ("import sys; from vgraph.cli import build_parser; p = build_parser(); p.format_help()\n"
+            "try:\n    p.parse_args(['frobnicate'])\nexcept SystemExit:\n    pass\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["compile", "--enforce-eager"], "--enforce-eager turns compilation off"),
+    (["serve", "--max-logprobs", "-1"], "max_logprobs must be at least 0"),
+    (["serve", "--cudagraph-mode", "sideways"], "invalid choice: 'sideways'"),
+])
+def test_engine_flag_errors_exit_2_before_loading(tmp_path, args, message):
+    result = vgraph(*args, env={"VGRAPH_CACHE_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "demo-model-v1").exists(), "rejected before the demo model is built"

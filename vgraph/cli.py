@@ -6,10 +6,14 @@ flag fails before torch loads. User errors print one line and exit 2, never a tr
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
+import importlib
 import logging
 import os
 import sys
-from typing import Callable, Optional, Sequence
+import typing
+from typing import Any, Callable, Optional, Sequence
 
 
 class UserError(Exception):
@@ -51,38 +55,149 @@ def _ops_check(device: str) -> int:
     return 1 if failed else 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A sub-command's parser whose ``deferred`` arguments are added when it is first used, to
+    parse or to print help. The engine flags come from vgraph.config, which imports torch
+    (1.5 s): ``vgraph --help`` or a mistyped command should not wait for that."""
+
+    def __init__(self, *args: Any, deferred: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred = deferred
+
+    def _add_deferred(self) -> None:
+        add, self._deferred = self._deferred, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_deferred()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_deferred()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_deferred()
+        return super().format_help()
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine (named as in vLLM)."""
-    p.add_argument("--model", default=None, help="local HF model directory or hub id (default: the demo model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size on CPU")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=["fp8"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: build the model from config.json with random weights, reading no "
-                        "weight files (for benchmarks)")
-    p.add_argument("--enforce-eager", action="store_true", help="no compilation (and no CUDA graphs)")
-    p.add_argument("--compile-sizes", type=int, nargs="*", default=[],
-                   help="token counts compiled statically besides the dynamic shape")
-    p.add_argument("--custom-ops", action=argparse.BooleanOptionalAction, default=None,
-                   help="norms and activations as vgraph ops (--custom-ops) or in plain torch, so "
-                        "Inductor generates their kernels (--no-custom-ops). Default: plain torch "
-                        "for a compiled, unquantized model on CPU, the ops otherwise")
-    p.add_argument("--no-fusion", dest="enable_fusion", action="store_false",
-                   help="skip vgraph's fusion passes")
-    p.add_argument("--cudagraph-mode", default=None,
-                   choices=["none", "piecewise", "full", "full_and_piecewise"],
-                   help="CUDA graphs: FULL for decode batches, PIECEWISE for mixed ones "
-                        "(default: full_and_piecewise; --enforce-eager turns graphs off too)")
-    p.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
-                   help="batch sizes / token counts to capture (default: 1 2 4 8 16 ... 256)")
+    """One option per engine setting: every field of the config dataclasses (vgraph.config),
+    named, typed, defaulted and documented from the field, so flags, ``LLM(**kwargs)`` and the
+    config cannot disagree. The dest of each option is the field's name."""
+    from vgraph.config import SECTIONS
+    for section, kind in SECTIONS.items():
+        group = p.add_argument_group(f"engine options ({kind.__name__})")
+        hints = typing.get_type_hints(kind)
+        for f in dataclasses.fields(kind):
+            if not (section == "engine" and f.name in SECTIONS):  # not EngineConfig.model, .cache...
+                flag, options = _field_option(f, hints[f.name])
+                group.add_argument(flag, **options)
+
+
+def _field_option(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:
+    """The flag and ``add_argument`` keywords of one config field (see ``vgraph.config.cli``)."""
+    meta, default = f.metadata, _field_default(f)
+    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    options: dict[str, Any] = {"dest": f.name, "default": default}
+    if "value" in meta:  # e.g. --enforce-eager stores CompileLevel.NONE into level
+        return flag, {**options, "action": "store_const", "const": meta["value"],
+                      "help": _help(f"{meta['help']}; sets {f.name}={_shown(meta['value'])}", default)}
+    if hint is bool or hint == Optional[bool]:
+        return _bool_option(f, flag, options)
+    options.update(type=_scalar_type(hint), metavar=flag.lstrip("-").replace("-", "_").upper(),
+                   help=_help(meta["help"], default))
+    if "nargs" in meta:
+        options.update(nargs=meta["nargs"])
+    elif typing.get_origin(hint) is list or hint is list:
+        options.update(action="append")  # a list given one value per flag (--pass A --pass B)
+    if "choices" in meta:
+        options.update(choices=meta["choices"], metavar=None)
+    return flag, options
+
+
+def _bool_option(f: dataclasses.Field, flag: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """True by default with a ``negative`` flag: that flag turns it off. Unset by default (None):
+    ``--x`` / ``--no-x``. False by default: the flag turns it on."""
+    meta, default = f.metadata, options["default"]
+    if default is None:
+        return flag, {**options, "action": argparse.BooleanOptionalAction, "help": _help(meta["help"], None)}
+    if default:
+        return meta["negative"], {**options, "action": "store_false",
+                                  "help": _escape(f"off: {meta['help']} (on by default)")}
+    return flag, {**options, "action": "store_true", "help": _escape(f"{meta['help']} (off by default)")}
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """The dataclass default (a fresh one from a factory); None for a required field (the model:
+    none given means the demo model)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _scalar_type(hint: Any) -> Callable[[str], Any]:
+    """What argparse converts each value with: the annotation without Optional or list[...].
+    Anything but int and float stays a str (``torch.dtype``, ``CudaGraphMode``): the config
+    converts those itself, and their choices are strings, so a bad one is argparse's "invalid
+    choice" naming them."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if args:  # list[X], Optional[X], X | Y: the first
+        return _scalar_type(args[0])
+    return hint if hint in (int, float) else str
+
+
+def _help(text: str, default: Any) -> str:
+    """The field's help, and its default unless the help already explains it."""
+    if "default:" in text.lower():
+        return _escape(text)
+    return _escape(f"{text} (default: {_shown(default)})")
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, list):
+        return " ".join(map(_shown, value)) or "none"
+    return "none" if value is None else str(value)
+
+
+def _escape(text: str) -> str:
+    return text.replace("%", "%%")  # argparse %-formats help strings
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``EngineConfig.from_kwargs`` keywords from the parsed engine options (the model apart)."""
+    from vgraph.config import FIELD_SECTION
+    kwargs = {name: getattr(args, name) for name in FIELD_SECTION}
+    kwargs["passes"] = [_load_pass(spec) for spec in kwargs["passes"]]
+    return kwargs
+
+
+def _load_pass(spec: str) -> Any:
+    """``--pass MODULE:NAME``: the attribute NAME of MODULE, instantiated (no arguments) if it is
+    a class, since a pass class is what a user module usually defines. MODULE may also be a
+    file in the current directory, as with ``python -m`` (the ``vgraph`` script's sys.path does
+    not hold it); appended, so it never shadows an installed module."""
+    module_name, sep, attr = spec.partition(":")
+    if not (sep and module_name and attr):
+        raise UserError(f"--pass {spec!r}: expected MODULE:NAME, e.g. my_passes:MyPass")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise UserError(f"--pass {spec!r}: cannot import {module_name!r} ({exc})") from None
+    except AttributeError:
+        raise UserError(f"--pass {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    made = found() if isinstance(found, type) else found
+    if not callable(made):
+        raise UserError(f"--pass {spec!r}: {type(made).__name__} is not callable on an FX graph")
+    return made
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -109,29 +224,23 @@ def _model_path(args: argparse.Namespace) -> str:
     return str(ensure_demo_model(cache_dir()))
 
 
-def _llm_from_args(args: argparse.Namespace):
+def _llm_from_args(args: argparse.Namespace, kwargs: Optional[dict[str, Any]] = None):
+    """The LLM the engine options describe; ``kwargs``: those options, already converted."""
     from vgraph import LLM
-    from vgraph.config import CompileConfig
-    compile_config = CompileConfig(level="none" if args.enforce_eager else "compiled",
-                                   compile_sizes=list(args.compile_sizes), custom_ops=args.custom_ops,
-                                   enable_fusion=args.enable_fusion, cudagraph_mode=args.cudagraph_mode,
-                                   cudagraph_capture_sizes=args.cudagraph_capture_sizes)
-    return LLM(_model_path(args), dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-               gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gib=args.kv_cache_gib,
-               device=args.device, seed=args.seed, quantization=args.quantization,
-               compile_config=compile_config, load_format=args.load_format)
+    kwargs = _engine_kwargs(args) if kwargs is None else kwargs  # a bad --pass fails before any loading
+    return LLM(_model_path(args), **kwargs)
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     """Compiles what `serve`/`generate` will need and stores it in the compile cache."""
     import time
-    if args.enforce_eager:
+
+    from vgraph.config import CompileLevel
+    if args.level is CompileLevel.NONE:
         raise UserError("--enforce-eager turns compilation off; nothing to compile")
     start = time.perf_counter()
     engine = _llm_from_args(args).engine
-    c, cache = engine.compile_counters, engine.compile_cache
+    c, cache = engine.runner.compile_counters, engine.runner.compile_cache
     print(f"model:          {engine.config.model.model}")
     print(f"pieces:         {c.pieces} ({c.compiled_pieces} compiled, {c.unique_piece_graphs} distinct graphs)")
     print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
@@ -187,7 +296,6 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="name(s) clients use in 'model' (default: the model as given, or demo-model-v1)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VGRAPH_API_KEY)")
-    p.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs a request may ask")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--max-queue-len", type=int, default=1024,
@@ -216,7 +324,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
-                             ("--max-logprobs", args.max_logprobs, 0), ("--shutdown-timeout", args.shutdown_timeout, 0)):
+                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
         if value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.port > 65535:
@@ -227,6 +335,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # ~150 ms to ~10 ms with passive waiting. Read by OpenMP when torch loads, so set it first;
     # an explicit OMP_WAIT_POLICY from the user wins.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from vgraph.config import EngineConfig
     from vgraph.models.demo import DEMO_MODEL_NAME
     from vgraph.server.lifecycle import serve
     from vgraph.server.state import ServerSettings
@@ -235,11 +344,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                               api_key=args.api_key or os.environ.get("VGRAPH_API_KEY") or None,
                               chat_template=_chat_template(args.chat_template), max_queue_len=args.max_queue_len)
 
+    kwargs = _engine_kwargs(args)
+    EngineConfig.from_kwargs(args.model or DEMO_MODEL_NAME, **kwargs)  # bad values: exit 2, not a dead engine
+
     def build_engine():
         """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
-        engine = _llm_from_args(args).engine
-        engine.config.max_logprobs = args.max_logprobs  # read by add_request's validation
-        return engine
+        return _llm_from_args(args, kwargs).engine
 
     return serve(settings, build_engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
                  log_level=args.log_level, access_log=args.access_log)
@@ -248,25 +358,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vgraph", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     ops = sub.add_parser("ops", help="list the custom ops or check every Triton kernel against its reference")
     ops.add_argument("action", choices=["list", "check"])
     ops.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ops.set_defaults(handler=_cmd_ops)
-    gen = sub.add_parser("generate", help="generate completions for prompts offline")
+    gen = sub.add_parser("generate", help="generate completions for prompts offline", deferred=_add_engine_args)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(handler=_cmd_generate)
-    comp = sub.add_parser("compile", help="fill the compile cache ahead of time so later starts are warm")
-    _add_engine_args(comp)
+    comp = sub.add_parser("compile", help="fill the compile cache ahead of time so later starts are warm",
+                          deferred=_add_engine_args)
     comp.set_defaults(handler=_cmd_compile)
     cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
     cache.add_argument("action", choices=["list", "clear"])
     cache.set_defaults(handler=_cmd_cache)
-    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)")
+    srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)",
+                         deferred=_add_engine_args)
     _add_serve_args(srv)
-    _add_engine_args(srv)
     srv.set_defaults(handler=_cmd_serve)
     return parser
 

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from ..config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ..config import CompileConfig, EngineConfig
 from ..sampling_params import SamplingParams
 from .inputs import PromptType
 from .llm_engine import LLMEngine
@@ -19,28 +18,23 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Runs a batch of prompts to completion with continuous batching."""
 
-    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: Optional[int] = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_chunked_prefill: bool = True, block_size: int = 16,
-                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks: Optional[int] = None, cpu_kv_cache_gib: float = 1.0,
-                 quantization: Optional[str] = None, tokenizer: Optional[str] = None,
-                 seed: int = 0, device: str = "auto", max_logprobs: int = 20,
-                 compile_config: Optional[CompileConfig] = None, enforce_eager: bool = False,
-                 load_format: str = "auto") -> None:
-        compile_config = compile_config or CompileConfig()
-        if enforce_eager:  # a copy: the caller's config is left as given
-            compile_config = replace(compile_config, level="none")
-        config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len,
-                              quantization=quantization, seed=seed, tokenizer=tokenizer,
-                              load_format=load_format),
-            cache=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gib=cpu_kv_cache_gib),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            compile=compile_config, device=device, max_logprobs=max_logprobs)
+    def __init__(self, model: str, *, compile_config: Optional[CompileConfig] = None,
+                 enforce_eager: bool = False, **kwargs: Any) -> None:
+        """``model``: a local HF model directory or a hub id.
+
+        Every other keyword is a field of one of the config dataclasses in ``vgraph.config``,
+        with the default written there (and nowhere else): ``ModelConfig`` (dtype,
+        max_model_len, quantization, seed, tokenizer, revision, load_format), ``CacheConfig``
+        (block_size, enable_prefix_caching, gpu_memory_utilization, num_gpu_blocks,
+        cpu_kv_cache_gib), ``SchedulerConfig`` (max_num_seqs, max_num_batched_tokens,
+        enable_chunked_prefill), ``CompileConfig`` (level, passes, custom_ops, cudagraph_mode,
+        ...) and ``EngineConfig`` itself (device, max_logprobs). ``compile_config`` gives a whole
+        CompileConfig (CompileConfig keywords then override its fields, on a copy);
+        ``enforce_eager=True`` is ``level="none"``. An unknown keyword is a TypeError naming it;
+        a bad value, a ValueError naming the choices. See ``EngineConfig.from_kwargs``.
+        """
+        config = EngineConfig.from_kwargs(model, compile_config=compile_config, enforce_eager=enforce_eager,
+                                          **kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
