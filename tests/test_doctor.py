@@ -29,3 +29,10 @@ def test_graph_check_passes_on_cpu(tmp_path):
     findings = doctor.check_graphs(torch.device("cpu"), str(tmp_path))
     assert [f.check for f in findings if not f.ok] == []
     assert len(findings) == 2 + len(doctor.BATCH_SIZES)
+
+
+def test_cli_doctor_without_cuda_is_one_line_and_exit_1(capsys):
+    from vgraph import cli
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "no CUDA device" in out[0]

@@ -231,6 +231,14 @@ def _llm_from_args(args: argparse.Namespace, kwargs: Optional[dict[str, Any]] = 
     return LLM(_model_path(args), **kwargs)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """Checks the CUDA path; exits 1 (with one line) on a machine without CUDA."""
+    import torch
+
+    from vgraph import doctor
+    return doctor.run(torch.device("cuda"))
+
+
 def _cmd_compile(args: argparse.Namespace) -> int:
     """Compiles what `serve`/`generate` will need and stores it in the compile cache."""
     import time
@@ -370,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="fill the compile cache ahead of time so later starts are warm",
                           deferred=_add_engine_args)
     comp.set_defaults(handler=_cmd_compile)
+    doctor = sub.add_parser("doctor", help="check the CUDA path on this machine: kernels, graph capture, "
+                                           "replay vs eager (about a minute on a GPU)")
+    doctor.set_defaults(handler=_cmd_doctor)
     cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
     cache.add_argument("action", choices=["list", "clear"])
     cache.set_defaults(handler=_cmd_cache)

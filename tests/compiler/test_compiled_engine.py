@@ -23,5 +23,5 @@ def test_200_steps_of_varying_batches_cause_no_recompile():
         finished += sum(out.finished for out in engine.step().outputs)
         steps += 1
     assert finished > 10 and next_id > 40
-    counters = engine.compile_counters
+    counters = engine.runner.compile_counters
     assert counters.graphs_seen <= 1 and counters.recompiles == 0  # 0: a warm start loaded the captured graph

@@ -165,14 +165,15 @@ def test_cli_flags_reach_the_compile_config(monkeypatch):
     seen = {}
 
     class FakeLLM:
-        def __init__(self, model, compile_config, **kw):
-            seen["config"] = compile_config
+        def __init__(self, model, **kw):
+            seen["config"] = EngineConfig.from_kwargs(model, **kw).compile
 
     monkeypatch.setattr(vgraph, "LLM", FakeLLM)
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--model", "m", "--cudagraph-mode",
                                           "piecewise", "--cudagraph-capture-sizes", "1", "2", "8"])
     cli._llm_from_args(args)
-    assert seen["config"].cudagraph_mode == "piecewise" and seen["config"].cudagraph_capture_sizes == [1, 2, 8]
+    assert seen["config"].cudagraph_mode is CudaGraphMode.PIECEWISE
+    assert seen["config"].cudagraph_capture_sizes == [1, 2, 8]
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--model", "m", "--enforce-eager"])
     cli._llm_from_args(args)
     assert seen["config"].level == "none" and seen["config"].cudagraph_mode is None
