@@ -282,10 +282,8 @@ def test_preempted_request_recomputes_prompt_and_output():
     assert_all_free(scheduler)
 
 
-def test_cached_prefix_tokens_are_those_of_the_first_admission():
-    """A re-admission after preemption finds the request's own freed blocks in the prefix
-    cache; the cached prompt tokens reported stay those found when it was first admitted."""
-    scheduler = make_scheduler(num_blocks=6, caching=True, max_num_seqs=2)
+def _run_until_the_newest_is_preempted(scheduler: Scheduler) -> tuple["FakeModel", Request, Request]:
+    """Two 8-token prompts in a 6-block pool: steps until the newer one is preempted."""
     model = FakeModel(6)
     old = make_request("old", [1] * 8, max_tokens=10)
     new = make_request("new", [2] * 8, max_tokens=10)
@@ -293,6 +291,14 @@ def test_cached_prefix_tokens_are_those_of_the_first_admission():
     scheduler.add_request(new)
     while new.status is not RequestStatus.PREEMPTED:
         step(scheduler, model)
+    return model, old, new
+
+
+def test_cached_prefix_tokens_are_those_of_the_first_admission():
+    """A re-admission after preemption finds the request's own freed blocks in the prefix
+    cache; the cached prompt tokens reported stay those found when it was first admitted."""
+    scheduler = make_scheduler(num_blocks=6, caching=True, max_num_seqs=2)
+    model, old, new = _run_until_the_newest_is_preempted(scheduler)
     while True:
         output, _ = step(scheduler, model)
         rows = [s for s in output.scheduled if s.request is new]
@@ -435,13 +441,7 @@ def test_abort_at_every_state():
 
 def test_abort_preempted_request():
     scheduler = make_scheduler(num_blocks=6, caching=False)
-    model = FakeModel(6)
-    old = make_request("old", [1] * 8, max_tokens=10)
-    new = make_request("new", [2] * 8, max_tokens=10)
-    scheduler.add_request(old)
-    scheduler.add_request(new)
-    while new.status is not RequestStatus.PREEMPTED:
-        step(scheduler, model)
+    model, old, new = _run_until_the_newest_is_preempted(scheduler)
     scheduler.abort_requests(["new"])
     assert new.status is RequestStatus.FINISHED_ABORTED and scheduler.num_waiting == 0
     run(scheduler, model)
