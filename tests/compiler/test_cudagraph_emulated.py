@@ -22,7 +22,7 @@ from vgraph import LLM, SamplingParams
 from vgraph.compiler import piecewise_graphs
 from vgraph.config import CompileConfig, CudaGraphMode
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
-from vgraph.worker.cuda_graphs import DummySource
+from vgraph.worker.dummy import DummySource
 from vgraph.worker.dispatch import Path
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -37,7 +37,7 @@ from ..config import CudaGraphMode
 from ..core.scheduler import SchedulerOutput
 from .batch import BatchBuilder, FlatBatch
 from .dispatch import BatchShape, Buckets, Decision, Path, choose
-from .dummy import dummy_lengths, dummy_prefill
+from .dummy import DummySource
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -148,19 +148,6 @@ class CaptureReport:
                 f"{self.piecewise_graphs} PIECEWISE ({self.piecewise_buckets} token buckets x pieces) "
                 f"in {self.seconds:.2f} s; graph memory {self.memory_bytes / 2**30:.3f} GiB "
                 f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
-
-
-@dataclass(frozen=True)
-class DummySource:
-    """Where capture's dummy prefills get their blocks and lengths."""
-
-    num_blocks: int
-    max_model_len: int
-    max_num_seqs: int
-
-    def prefill(self, num_tokens: int, block_size: int) -> SchedulerOutput:
-        lens = dummy_lengths(num_tokens, self.max_model_len, self.max_num_seqs)
-        return dummy_prefill(lens, block_size, self.num_blocks)
 
 
 class GraphRunner:

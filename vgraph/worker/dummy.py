@@ -8,6 +8,8 @@ the sampler's most memory-hungry path (a sort over the vocabulary per row).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..core.request import Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sampling_params import SamplingParams
@@ -52,3 +54,16 @@ def dummy_decode(num_seqs: int, context: int, block_size: int, num_blocks: int, 
 def blocks_for(lengths: list[int], block_size: int) -> int:
     """Blocks ``dummy_prefill`` uses without wrapping (the size of a scratch cache)."""
     return sum(-(-n // block_size) for n in lengths)
+
+
+@dataclass(frozen=True)
+class DummySource:
+    """Dummy prefills of a given size for graph capture, over a pool of ``num_blocks``."""
+
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+
+    def prefill(self, num_tokens: int, block_size: int) -> SchedulerOutput:
+        lens = dummy_lengths(num_tokens, self.max_model_len, self.max_num_seqs)
+        return dummy_prefill(lens, block_size, self.num_blocks)

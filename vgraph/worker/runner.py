@@ -27,9 +27,9 @@ from ..config import CudaGraphMode, EngineConfig
 from ..core.scheduler import SchedulerOutput
 from ..models.loader import load_model
 from .batch import BatchBuilder
-from .cuda_graphs import CaptureReport, DummySource, GraphRunner, estimate_capture_bytes
+from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
-from .dummy import blocks_for, dummy_lengths, dummy_prefill
+from .dummy import DummySource, blocks_for, dummy_lengths, dummy_prefill
 from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport

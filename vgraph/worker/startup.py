@@ -22,10 +22,6 @@ class StartupReport:
     compile_seconds: float  # compile or cache load, and the warm-up step (0 work when eager)
     capture: CaptureReport  # empty where nothing is captured (CPU, graphs off)
 
-    @property
-    def total_seconds(self) -> float:
-        return self.load_seconds + self.kv_seconds + self.compile_seconds + self.capture.seconds
-
     def timeline(self) -> str:
         return (f"load {self.load_seconds:.2f} s ({format_bytes(self.weights_bytes)} of weights), "
                 f"KV cache {self.kv_seconds:.2f} s ({self.num_blocks} blocks, {format_bytes(self.kv_bytes)}), "
