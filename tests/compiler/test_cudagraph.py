@@ -5,6 +5,8 @@ for every batch size and for a batch that grows and shrinks, with no recompile.
 The CUDA graphs themselves are tested in test_cudagraph_gpu.py (marked gpu)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -52,17 +54,18 @@ def test_buckets_are_enabled_on_cpu_without_graphs(llm):
 @pytest.mark.parametrize("batch_size", BATCH_SIZES)
 def test_greedy_tokens_equal_transformers_at_every_batch_size(llm, prompts, batch_size):
     runner = llm.engine.runner
-    runner.graphs.dispatch_counts.clear()
+    before = Counter(runner.graphs.dispatch_counts)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch_size]], params, use_tqdm=False)
+    counts = runner.graphs.dispatch_counts - before
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _expected(prompt), f"prompt of {len(prompt)} tokens diverged"
     bucket = next(b for b in llm.engine.runner.graphs.buckets.full if b >= batch_size)
-    decodes = {k: v for k, v in runner.graphs.dispatch_counts.items() if k[0] is Path.FULL}
+    decodes = {k: v for k, v in counts.items() if k[0] is Path.FULL}
     assert decodes == {(Path.FULL, bucket): NEW_TOKENS - 1}, "every decode step in one padded FULL bucket"
     # one prefill step (the budget holds every prompt), less what the prefix cache served
     total = sum(len(p) - out.num_cached_tokens for p, out in zip(prompts, outs))
-    prefill = {k for k in runner.graphs.dispatch_counts if k[0] is not Path.FULL}
+    prefill = {k for k in counts if k[0] is not Path.FULL}
     largest = llm.engine.runner.graphs.buckets.piecewise[-1]
     if total <= largest:
         assert prefill == {(Path.PIECEWISE, next(b for b in llm.engine.runner.graphs.buckets.piecewise if b >= total))}
@@ -75,7 +78,7 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     """Requests arrive every few steps with different lengths, so decode batches rise and fall
     through several buckets and prefills mix with decodes."""
     engine, runner = llm.engine, llm.engine.runner
-    runner.graphs.dispatch_counts.clear()
+    before = Counter(runner.graphs.dispatch_counts)
     arrivals = {0: [0, 1], 2: [2, 3, 4, 5, 6], 3: [7], 6: list(range(8, 20)), 9: list(range(20, 30))}
     max_tokens = {i: 3 + (7 * i) % 11 for i in range(30)}
     done: dict[str, list[int]] = {}
@@ -91,9 +94,10 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     assert len(done) == 30
     for i in range(30):
         assert done[f"g{i}"] == _expected(prompts[i], max_tokens[i]), f"request {i} diverged"
-    full_buckets = {b for path, b in runner.graphs.dispatch_counts if path is Path.FULL}
+    counts = runner.graphs.dispatch_counts - before
+    full_buckets = {b for path, b in counts if path is Path.FULL}
     assert len(full_buckets) >= 4, f"decode batches should cross several buckets, got {full_buckets}"
-    assert any(path is Path.PIECEWISE for path, _ in runner.graphs.dispatch_counts)
+    assert any(path is Path.PIECEWISE for path, _ in counts)
     assert engine.runner.compile_counters.recompiles == 0
     assert engine.runner.compile_counters.graphs_seen <= 1, "traced once (or not at all: a warm start)"
 
