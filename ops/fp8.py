@@ -97,27 +97,59 @@ def fp8_gemm_reference(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
     return out.to(out_dtype)
 
 
-def _scaled_mm_supported(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
-                         out_dtype: torch.dtype) -> bool:
-    """Whether torch._scaled_mm can run this product on this GPU (fp8 tensor cores, sm89+)."""
+def _scaled_mm_usable(a: Tensor, w: Tensor) -> bool:
+    """Whether torch._scaled_mm can run this product on this GPU: fp8 tensor cores (sm89+)
+    and K, N multiples of 16 (cuBLASLt's fp8 alignment)."""
     if torch.cuda.get_device_capability(a.device) < (8, 9):
         return False
-    k, n = a.shape[1], w.shape[0]
-    if k % 16 or n % 16:
-        return False
+    return a.shape[1] % 16 == 0 and w.shape[0] % 16 == 0
+
+
+def _needs_fp32_epilogue(a_scale: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
+                         has_bias: bool) -> bool:
+    """Whether ``torch._scaled_mm`` cannot finish the product itself, so it runs with fp32
+    output and the rest (scales, bias, cast) follows in fp32.
+
+    PyTorch rejects a bias with fp32 output, and row-wise scales (a per-token activation
+    scale) with any output but bf16. The alternative for fp16/fp32 models, dequantizing the
+    whole weight on every call, costs a weight-sized buffer and a full-precision GEMM per
+    layer per step; the fp32 epilogue costs one [M, N] fp32 buffer and keeps the fp32
+    accumulation (a bf16 output would round each value to 8 bits, coarser than fp16).
+    """
     per_tensor = a_scale.numel() == 1 and w_scale.numel() == 1
-    return per_tensor or out_dtype == torch.bfloat16
+    if per_tensor:
+        return has_bias and out_dtype == torch.float32
+    return out_dtype != torch.bfloat16
 
 
-def _scaled_mm(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
-               out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+def _scaled_mm_fused(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
+                     out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+    """Scales and bias in ``_scaled_mm``'s epilogue (per-tensor, or row-wise with bf16 out)."""
     if a_scale.numel() == 1 and w_scale.numel() == 1:
         sa, sw = a_scale.float().reshape(()), w_scale.float().reshape(())
     else:  # row-wise: a per row [M, 1], w per column of the output [1, N]
         sa = a_scale.float().reshape(-1, 1).expand(a.shape[0], 1).contiguous()
         sw = w_scale.float().reshape(1, -1).expand(1, w.shape[0]).contiguous()
-    return torch._scaled_mm(a.contiguous(), w.t(), scale_a=sa, scale_b=sw, bias=bias,
+    bias_arg = bias.to(out_dtype) if bias is not None else None
+    return torch._scaled_mm(a.contiguous(), w.t(), scale_a=sa, scale_b=sw, bias=bias_arg,
                             out_dtype=out_dtype)
+
+
+def _scaled_mm_fp32_epilogue(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor,
+                             out_dtype: torch.dtype, bias: Optional[Tensor]) -> Tensor:
+    """``_scaled_mm`` to fp32 (per-tensor scales, or unit ones for row-wise), then the row and
+    column scales and the bias in place in fp32, then one cast (see _needs_fp32_epilogue)."""
+    per_tensor = a_scale.numel() == 1 and w_scale.numel() == 1
+    if per_tensor:
+        sa, sw = a_scale.float().reshape(()), w_scale.float().reshape(())
+    else:
+        sa = sw = torch.ones((), dtype=torch.float32, device=a.device)
+    out = torch._scaled_mm(a.contiguous(), w.t(), scale_a=sa, scale_b=sw, out_dtype=torch.float32)
+    if not per_tensor:
+        out.mul_(a_scale.float().reshape(-1, 1)).mul_(w_scale.float().reshape(1, -1))
+    if bias is not None:
+        out.add_(bias.float())
+    return out.to(out_dtype)
 
 
 @vgraph_op("vgraph::fp8_gemm", mutates_args=())
@@ -135,11 +167,13 @@ def _(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.d
 
 
 @fp8_gemm.register_kernel("cuda")
-def _(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
-      bias: Optional[Tensor] = None) -> Tensor:
+def fp8_gemm_cuda(a: Tensor, a_scale: Tensor, w: Tensor, w_scale: Tensor, out_dtype: torch.dtype,
+                  bias: Optional[Tensor] = None) -> Tensor:
+    """fp8 tensor cores through ``torch._scaled_mm``, within the rules PyTorch sets for it."""
     _check_gemm(a, a_scale, w, w_scale)
-    if _scaled_mm_supported(a, a_scale, w, w_scale, out_dtype):
-        bias_arg = bias.to(out_dtype) if bias is not None else None
-        return _scaled_mm(a, a_scale, w, w_scale, out_dtype, bias_arg)
-    # GPUs without fp8 tensor cores (before sm89) or unaligned shapes: dequantized product.
-    return fp8_gemm_reference(a, a_scale, w, w_scale, out_dtype, bias)
+    if not _scaled_mm_usable(a, w):
+        # GPUs without fp8 tensor cores (before sm89) or unaligned shapes: dequantized product.
+        return fp8_gemm_reference(a, a_scale, w, w_scale, out_dtype, bias)
+    if _needs_fp32_epilogue(a_scale, w_scale, out_dtype, bias is not None):
+        return _scaled_mm_fp32_epilogue(a, a_scale, w, w_scale, out_dtype, bias)
+    return _scaled_mm_fused(a, a_scale, w, w_scale, out_dtype, bias)
