@@ -277,8 +277,10 @@ def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Mo
     """Device memory CUDA graph capture will take:
 
     - the shared pool: one forward's activations at the largest captured size;
-    - PIECEWISE buffers: per compiled piece (L + 1), staged attention output and the
-      outputs (q, k, v, residual) at the largest token bucket;
+    - PIECEWISE buffers: per compiled piece (L + 1) at the largest token bucket, its outputs
+      and the staged attention output: the fused qkv (q + 2kv, kept whole because v leaves
+      the piece as a strided view of it), q and k after rotary (q + kv), the attention
+      output (q) and the residual (hidden), so 3q + 3kv + hidden per token;
     - FULL buffers: the persistent decode inputs and the hidden-state output;
     - the graphs themselves, at a generous fixed size each.
     """
@@ -290,7 +292,7 @@ def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Mo
     pool = activation_bytes_per_token * max(full + pieces_sizes)
     num_pieces = model.num_layers + 1
     q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    piece_io = elt * (2 * q_width + 2 * kv_width + model.hidden_size)
+    piece_io = elt * (3 * q_width + 3 * kv_width + model.hidden_size)
     piece_buffers = num_pieces * piece_io * max(pieces_sizes, default=0)
     per_seq = model.hidden_size * elt + 3 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
     full_buffers = per_seq * max(full, default=0)
