@@ -27,39 +27,89 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """Device memory of the largest step the scheduler may run (measured on CUDA)."""
+    """Device memory of the largest step the scheduler may run (measured on CUDA), and of the
+    device once it ran. Peaks leave out the step's scratch KV cache."""
 
-    peak_bytes: int  # weights + activations + sampler of the profiled step, without its scratch KV
+    peak_bytes: int  # torch's peak allocation: weights + activations + sampler
+    peak_reserved_bytes: int  # torch's peak reservation: peak_bytes + what fragmentation wasted
     resident_bytes: int  # allocated before the step ran (weights)
     tokens: int  # tokens in the profiled step
+    total_bytes: int  # the device's memory
+    free_bytes: int  # free after the step, the allocator's cache emptied
+    reserved_bytes: int  # reserved by torch's allocator at that same moment
 
     @property
     def activation_bytes_per_token(self) -> float:
         return max(0, self.peak_bytes - self.resident_bytes) / max(1, self.tokens)
 
 
-def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
-                   profile_peak_bytes: int = 0, max_useful_blocks: int | None = None) -> int:
-    """Blocks for the pool. ``profile_peak_bytes``: peak device memory of a max-size forward.
+def kv_cache_budget(total: int, free: int, torch_reserved: int, torch_peak_allocated: int,
+                    torch_peak_reserved: int, utilization: float, graph_reserve: int = 0) -> int:
+    """Bytes the KV cache may take so that the device never holds more than
+    ``total * utilization`` at the worst step (vLLM's accounting). Subtracted:
 
-    On CPU the pool is also capped at ``max_useful_blocks`` (every seat filled to
-    max_model_len), so a small model does not allocate and zero a whole gigabyte for nothing.
+    - non-torch memory: used on the device (``total - free``) but not reserved by torch's
+      allocator, so invisible to its statistics: the CUDA context, cuBLAS/NCCL workspaces,
+      other processes;
+    - torch's peak allocation in the profiled step (weights, activations, sampler);
+    - fragmentation: what the allocator reserved beyond that at its peak, and cannot hand out;
+    - what CUDA graph capture will take (``graph_reserve``).
+
+    ``free`` and ``torch_reserved`` must be read at the same moment. The old formula took
+    ``max(peak, total - free)``, dropping the non-torch memory whenever the peak was larger:
+    at high utilization the KV cache then overcommitted the device.
+    """
+    non_torch = max(0, total - free - torch_reserved)
+    fragmentation = max(0, torch_peak_reserved - torch_peak_allocated)
+    used = non_torch + torch_peak_allocated + fragmentation + graph_reserve
+    return int(total * utilization) - used
+
+
+def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
+                   profile: MemoryProfile | None = None, graph_reserve: int = 0,
+                   max_useful_blocks: int | None = None) -> int:
+    """Blocks for the pool: ``cache.num_gpu_blocks`` when given; else on CUDA what the memory
+    ``profile`` leaves (``graph_reserve`` kept free for CUDA graphs), on CPU
+    ``cpu_kv_cache_gib`` worth.
+
+    Either is capped at ``max_useful_blocks`` (every seat filled to max_model_len): more
+    cannot be used at once, and a large device with a small model would otherwise build a
+    pool of tens of millions of blocks for nothing.
     """
     if cache.num_gpu_blocks is not None:
         return cache.num_gpu_blocks
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * cache.gpu_memory_utilization - max(profile_peak_bytes, total - free)
-        blocks = int(budget // spec.bytes_per_block)
-        if blocks <= 0:
-            raise RuntimeError(
-                f"no memory left for the KV cache: {total * cache.gpu_memory_utilization / 2**30:.1f} GiB "
-                f"allowed by gpu_memory_utilization={cache.gpu_memory_utilization}, "
-                f"{profile_peak_bytes / 2**30:.1f} GiB used by weights and activations; raise "
-                "--gpu-memory-utilization or lower --max-num-batched-tokens")
+        if profile is None:
+            raise ValueError("sizing the KV cache on CUDA needs a memory profile (or num_gpu_blocks)")
+        blocks = _blocks_from_profile(spec, cache, profile, graph_reserve)
+    else:
+        blocks = max(1, int(cache.cpu_kv_cache_gib * 2**30 // spec.bytes_per_block))
+    return _capped(blocks, max_useful_blocks)
+
+
+def _blocks_from_profile(spec: KVSpec, cache: CacheConfig, p: MemoryProfile, graph_reserve: int) -> int:
+    util = cache.gpu_memory_utilization
+    budget = kv_cache_budget(p.total_bytes, p.free_bytes, p.reserved_bytes, p.peak_bytes,
+                             p.peak_reserved_bytes, util, graph_reserve)
+    gib = 2**30
+    breakdown = (f"{p.total_bytes * util / gib:.2f} GiB allowed by gpu_memory_utilization={util}; "
+                 f"torch peak {p.peak_bytes / gib:.2f} GiB (+{(p.peak_reserved_bytes - p.peak_bytes) / gib:.2f} "
+                 f"fragmentation), non-torch {max(0, p.total_bytes - p.free_bytes - p.reserved_bytes) / gib:.2f} "
+                 f"GiB, CUDA graphs {graph_reserve / gib:.2f} GiB")
+    blocks = int(max(0, budget) // spec.bytes_per_block)
+    if blocks <= 0:
+        raise RuntimeError(f"no memory left for the KV cache: {breakdown}; raise "
+                           "--gpu-memory-utilization or lower --max-num-batched-tokens")
+    logger.info("KV cache budget %.2f GiB: %s", budget / gib, breakdown)
+    return blocks
+
+
+def _capped(blocks: int, max_useful_blocks: int | None) -> int:
+    if not max_useful_blocks or blocks <= max_useful_blocks:
         return blocks
-    blocks = max(1, int(cache.cpu_kv_cache_gib * 2**30 // spec.bytes_per_block))
-    return min(blocks, max_useful_blocks) if max_useful_blocks else blocks
+    logger.info("KV cache capped at %d blocks, from the %d that fit: max_num_seqs x max_model_len "
+                "uses no more", max_useful_blocks, blocks)
+    return max_useful_blocks
 
 
 def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:

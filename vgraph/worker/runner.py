@@ -98,7 +98,7 @@ class ModelRunner:
         """On CUDA, unless the KV size is given: the peak device memory of the largest step
         the scheduler may run (``max_num_batched_tokens`` tokens in prefills of at most
         ``max_model_len``), sampler included, eager, over a scratch KV cache just large enough
-        (freed before returning)."""
+        (freed before returning); then what the device holds outside torch's allocator."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks is not None:
             return None
         sched = self.config.scheduler
@@ -106,6 +106,7 @@ class ModelRunner:
         lens = dummy_lengths(tokens, self.config.max_model_len, sched.max_num_seqs)
         scratch_blocks = blocks_for(lens, self.spec.block_size)
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # loading's cached blocks are not the step's fragmentation
         torch.cuda.reset_peak_memory_stats(self.device)
         resident = torch.cuda.memory_allocated(self.device)
         caches = allocate_kv_caches(self.spec, scratch_blocks, self.device)
@@ -113,10 +114,15 @@ class ModelRunner:
                             Buckets((), ()), 1)
         self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch_blocks * self.spec.bytes_per_block
+        scratch = scratch_blocks * self.spec.bytes_per_block
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch
+        peak_reserved = torch.cuda.max_memory_reserved(self.device) - scratch
         del caches, eager
         torch.cuda.empty_cache()
-        return MemoryProfile(int(peak), int(resident), sum(lens))
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        return MemoryProfile(int(peak), int(peak_reserved), int(resident), sum(lens), int(total),
+                             int(free), int(reserved))
 
     def _graph_reserve(self, profile: Optional[MemoryProfile], buckets: Buckets) -> int:
         """Memory to leave free for CUDA graph capture, which can only run once the KV cache
@@ -133,8 +139,7 @@ class ModelRunner:
     def _plan_blocks(self, profile: Optional[MemoryProfile], reserve: int) -> int:
         max_model_len = self.config.max_model_len
         useful = self.config.scheduler.max_num_seqs * -(-max_model_len // self.spec.block_size)
-        non_kv = profile.peak_bytes + reserve if profile is not None else 0
-        blocks = num_blocks_for(self.spec, self.config.cache, self.device, non_kv, useful)
+        blocks = num_blocks_for(self.spec, self.config.cache, self.device, profile, reserve, useful)
         tokens = blocks * self.spec.block_size
         logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", blocks, self.spec.block_size, tokens,

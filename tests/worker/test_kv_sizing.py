@@ -1,0 +1,171 @@
+"""KV cache sizing: the memory budget from a profile, the cap, and what the profiled step runs."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vgraph.config import CacheConfig
+from vgraph.worker import runner as runner_module
+from vgraph.worker.dummy import dummy_lengths, dummy_prefill
+from vgraph.worker.kv_sizing import KVSpec, MemoryProfile, kv_cache_budget, num_blocks_for
+from vgraph.worker.sampler import SamplingMetadata
+
+GIB = 1 << 30
+CUDA = torch.device("cuda")  # nothing here touches the device: the profile carries its numbers
+
+# An 80 GiB GPU after profiling an 8B model at 0.95: 16 GiB of weights (16.5 reserved once the
+# cache is emptied), a step that peaks at 24 GiB allocated and 25 GiB reserved, and 3 GiB
+# outside torch's allocator (CUDA context, cuBLAS workspaces).
+TOTAL, UTIL = 80 * GIB, 0.95
+PEAK, PEAK_RESERVED, NON_TORCH, RESERVED = 24 * GIB, 25 * GIB, 3 * GIB, 16 * GIB + GIB // 2
+FREE = TOTAL - RESERVED - NON_TORCH
+
+
+def _at_worst_step(kv_bytes: int) -> int:
+    """What the device holds at the largest step once the KV cache exists."""
+    return NON_TORCH + PEAK_RESERVED + kv_bytes
+
+
+def test_budget_keeps_the_worst_step_within_utilization():
+    budget = kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL)
+    assert budget == int(TOTAL * UTIL) - NON_TORCH - PEAK - (PEAK_RESERVED - PEAK)
+    assert _at_worst_step(budget) == int(TOTAL * UTIL)
+
+
+def test_the_old_formula_overcommitted_the_device():
+    """``total * util - max(peak, total - free)`` drops the non-torch 3 GiB and the
+    fragmentation because the peak is larger: the worst step needs the whole 80 GiB."""
+    old = TOTAL * UTIL - max(PEAK, TOTAL - FREE)
+    assert _at_worst_step(old) == TOTAL > TOTAL * UTIL
+    assert kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL) == old - 4 * GIB
+
+
+def test_budget_leaves_the_graph_reserve_free():
+    base = kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL)
+    assert kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL, graph_reserve=GIB) == base - GIB
+
+
+def _profile(total: int = TOTAL) -> MemoryProfile:
+    return MemoryProfile(peak_bytes=PEAK, peak_reserved_bytes=PEAK_RESERVED, resident_bytes=16 * GIB,
+                         tokens=8192, total_bytes=total, free_bytes=total - RESERVED - NON_TORCH,
+                         reserved_bytes=RESERVED)
+
+
+SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)  # 2 MiB
+
+
+def test_cuda_blocks_come_from_the_budget():
+    cache = CacheConfig(gpu_memory_utilization=UTIL)
+    blocks = num_blocks_for(SPEC, cache, CUDA, _profile(), graph_reserve=GIB)
+    budget = kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL, GIB)
+    assert blocks == budget // SPEC.bytes_per_block
+
+
+def test_cuda_pool_is_capped_at_what_the_seats_can_use(caplog):
+    """Every seat at max_model_len needs at most ``max_useful_blocks``; a large GPU with a small
+    model would otherwise build a pool of tens of millions of blocks."""
+    cache = CacheConfig(gpu_memory_utilization=UTIL)
+    uncapped = num_blocks_for(SPEC, cache, CUDA, _profile())
+    with caplog.at_level(logging.INFO, logger="vgraph"):
+        assert num_blocks_for(SPEC, cache, CUDA, _profile(), max_useful_blocks=1000) == 1000
+    capped = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
+    assert len(capped) == 1 and f"{uncapped}" in capped[0] and "1000" in capped[0]
+
+
+def test_cuda_without_room_is_a_clear_error():
+    cache = CacheConfig(gpu_memory_utilization=0.3)
+    with pytest.raises(RuntimeError, match="no memory left for the KV cache.*non-torch 3.00 GiB"):
+        num_blocks_for(SPEC, cache, CUDA, _profile())
+
+
+def test_given_block_count_wins():
+    assert num_blocks_for(SPEC, CacheConfig(num_gpu_blocks=7), CUDA, None, max_useful_blocks=3) == 7
+
+
+def test_profiled_step_samples_on_the_sort_path():
+    """The profiled step's sampler must run its most memory-hungry path (a sort over the
+    vocabulary per row, for top-k/top-p), or its memory is missing from the budget."""
+    lens = dummy_lengths(4096, 1024, 8)
+    sched = dummy_prefill(lens, 16, 1 << 20)
+    for vocab in (32, 151936):
+        md = SamplingMetadata.from_requests([s.request for s in sched.scheduled], vocab)
+        assert not md.all_greedy
+        assert not (md.no_top_k and md.no_top_p), "apply_top_k_top_p would skip its sort"
+
+
+class FakeAllocator:
+    """torch.cuda's memory statistics for a device running one profiled step: 16 GiB of
+    weights, 2 GiB cached from loading, 3 GiB outside torch; the step takes 8 GiB of
+    activations, and the allocator reserves 1 GiB beyond them (fragmentation)."""
+
+    def __init__(self) -> None:
+        self.total, self.other, self.allocated, self.cached = 80 * GIB, 3 * GIB, 16 * GIB, 2 * GIB
+        self.peak_allocated = self.peak_reserved = 0
+
+    def reserved(self) -> int:
+        return self.allocated + self.cached
+
+    def alloc(self, nbytes: int, extra_reserved: int = 0) -> None:
+        self.allocated += nbytes
+        self.cached = max(0, self.cached - nbytes) + extra_reserved
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved())
+
+    def release(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+        self.cached += nbytes
+
+    def empty_cache(self) -> None:
+        self.cached = 0
+
+    def reset_peak_memory_stats(self, device: object = None) -> None:
+        self.peak_allocated, self.peak_reserved = self.allocated, self.reserved()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        stats = {"synchronize": lambda device=None: None, "empty_cache": self.empty_cache,
+                 "reset_peak_memory_stats": self.reset_peak_memory_stats,
+                 "memory_allocated": lambda device=None: self.allocated,
+                 "memory_reserved": lambda device=None: self.reserved(),
+                 "max_memory_allocated": lambda device=None: self.peak_allocated,
+                 "max_memory_reserved": lambda device=None: self.peak_reserved,
+                 "mem_get_info": lambda device=None: (self.total - self.other - self.reserved(), self.total)}
+        for name, fn in stats.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+class ScratchKV:
+    """The profiling run's scratch KV cache: its bytes are released when it is dropped."""
+
+    def __init__(self, allocator: FakeAllocator, nbytes: int) -> None:
+        self.allocator, self.nbytes = allocator, nbytes
+        allocator.alloc(nbytes)
+
+    def __del__(self) -> None:
+        self.allocator.release(self.nbytes)
+
+
+def test_profile_records_what_the_budget_needs(monkeypatch):
+    """ModelRunner._profile_memory on a modelled device: peaks without the scratch KV, and the
+    device's free and torch-reserved memory read together after the cache is emptied."""
+    device = FakeAllocator()
+    device.install(monkeypatch)
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    monkeypatch.setattr(runner_module, "allocate_kv_caches",
+                        lambda s, blocks, dev: ScratchKV(device, blocks * s.bytes_per_block))
+
+    def step(graphs: object, sched: object) -> None:
+        device.alloc(8 * GIB, extra_reserved=GIB)
+        device.release(8 * GIB)
+
+    config = SimpleNamespace(cache=CacheConfig(), max_model_len=32,
+                             scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4))
+    fake_runner = SimpleNamespace(device=CUDA, config=config, spec=spec, model=None, softmax_scale=1.0,
+                                  builder=None, _step=step)
+    profile = runner_module.ModelRunner._profile_memory(fake_runner)
+    assert (profile.peak_bytes, profile.peak_reserved_bytes) == (24 * GIB, 25 * GIB)
+    assert (profile.resident_bytes, profile.tokens) == (16 * GIB, 64)
+    assert (profile.total_bytes, profile.reserved_bytes) == (80 * GIB, 16 * GIB)
+    assert profile.total_bytes - profile.free_bytes - profile.reserved_bytes == 3 * GIB
