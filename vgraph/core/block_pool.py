@@ -8,8 +8,16 @@ A block is either referenced (``ref_cnt > 0``, owned by one or more running requ
 in the free queue. A free block may still hold a valid, hashed prefix: it stays findable in the
 prefix cache until the allocator takes it for something else. The free queue is therefore
 ordered for eviction: blocks with no hash come first (reusing them loses nothing), then hashed
-blocks least-recently-freed first. An ``OrderedDict`` gives O(1) pop-front, append and removal
-from the middle (a prefix-cache hit on a free block pulls it out of the queue).
+blocks least-recently-freed first.
+
+The pool may have tens of millions of blocks (a large GPU, a small model), most never used,
+so nothing is built per block: the free queue is three segments, in order: released unhashed
+blocks (``OrderedDict``, the latest first), the never-used blocks (a counter over
+``0..num_blocks-1``), released hashed blocks (``OrderedDict``, least recently freed first).
+Only blocks that were handed out have a ref count or a hash entry. Inserts happen only at the
+two ends, so these segments are exactly the one queue a block-per-entry structure would hold;
+``OrderedDict`` gives O(1) pop-front, append and removal from the middle (a prefix-cache hit
+on a free block pulls it out of the queue).
 """
 from __future__ import annotations
 
@@ -42,7 +50,8 @@ def hash_block_tokens(parent_hash: Optional[BlockHash], token_ids: Sequence[int]
 
 
 class BlockPool:
-    """Fixed set of KV block ids ``0..num_blocks-1`` with ref counts and a prefix cache."""
+    """Fixed set of KV block ids ``0..num_blocks-1`` with ref counts and a prefix cache; built
+    in O(1) whatever ``num_blocks`` is."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -50,9 +59,13 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._ref_cnt = [0] * num_blocks
-        self._hash: list[Optional[BlockHash]] = [None] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._ref_cnt: dict[int, int] = {}  # referenced blocks only
+        self._hash: dict[int, BlockHash] = {}  # hashed blocks only
+        # The free queue's three segments (see the module docstring).
+        self._free_unhashed: OrderedDict[int, None] = OrderedDict()
+        self._next_unused = 0  # ids from here on were never handed out, except ``_claimed``
+        self._claimed: set[int] = set()  # never-used ids taken out of order (prefix-cache hits)
+        self._free_hashed: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
         # Prefix-cache statistics, in tokens (the metrics endpoint reports hits / queries).
         self.prefix_cache_queries = 0
@@ -63,26 +76,29 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks not referenced by any request (cached-but-free blocks included)."""
-        return len(self._free)
+        never_used = self.num_blocks - self._next_unused - len(self._claimed)
+        return len(self._free_unhashed) + never_used + len(self._free_hashed)
 
     @property
     def usage(self) -> float:
         """Fraction of blocks referenced by requests, in [0, 1]."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def ref_cnt(self, block_id: int) -> int:
-        return self._ref_cnt[block_id]
+        return self._ref_cnt.get(block_id, 0)
 
     def block_hash(self, block_id: int) -> Optional[BlockHash]:
-        return self._hash[block_id]
+        return self._hash.get(block_id)
 
     def free_queue(self) -> list[int]:
-        """The free block ids in eviction order (first is reused first); for tests and debugging."""
-        return list(self._free)
+        """The free block ids in eviction order (first is reused first); for tests and debugging
+        (it lists every never-used block)."""
+        never_used = (b for b in range(self._next_unused, self.num_blocks) if b not in self._claimed)
+        return [*self._free_unhashed, *never_used, *self._free_hashed]
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens
@@ -97,11 +113,12 @@ class BlockPool:
         overwritten. Raises ``RuntimeError`` when not enough blocks are free; callers check
         ``num_free_blocks`` first so that a failed request changes nothing.
         """
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"cannot allocate {num_blocks} blocks, only {len(self._free)} free")
+        free = self.num_free_blocks
+        if num_blocks > free:
+            raise RuntimeError(f"cannot allocate {num_blocks} blocks, only {free} free")
         block_ids = []
         for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+            block_id = self._pop_free()
             self._evict(block_id)
             self._ref_cnt[block_id] = 1
             block_ids.append(block_id)
@@ -110,9 +127,10 @@ class BlockPool:
     def touch(self, block_ids: Iterable[int]) -> None:
         """Adds a reference to each block (prefix-cache hits); a free one leaves the free queue."""
         for block_id in block_ids:
-            if self._ref_cnt[block_id] == 0:
-                del self._free[block_id]
-            self._ref_cnt[block_id] += 1
+            count = self._ref_cnt.get(block_id, 0)
+            if count == 0:
+                self._remove_free(block_id)
+            self._ref_cnt[block_id] = count + 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drops one reference from each block, in the given order.
@@ -121,14 +139,41 @@ class BlockPool:
         most recently used prefix is evicted last), at the front if not (nothing to keep).
         """
         for block_id in block_ids:
-            count = self._ref_cnt[block_id] - 1
+            count = self._ref_cnt.get(block_id, 0) - 1
             if count < 0:
                 raise RuntimeError(f"block {block_id} freed more often than referenced")
-            self._ref_cnt[block_id] = count
-            if count == 0:
-                self._free[block_id] = None
-                if self._hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+            if count > 0:
+                self._ref_cnt[block_id] = count
+                continue
+            del self._ref_cnt[block_id]
+            if block_id in self._hash:
+                self._free_hashed[block_id] = None
+            else:
+                self._free_unhashed[block_id] = None
+                self._free_unhashed.move_to_end(block_id, last=False)
+
+    def _pop_free(self) -> int:
+        """The front of the free queue (the caller checked that it is not empty)."""
+        if self._free_unhashed:
+            return self._free_unhashed.popitem(last=False)[0]
+        while self._next_unused < self.num_blocks:
+            block_id = self._next_unused
+            self._next_unused += 1
+            if block_id not in self._claimed:
+                return block_id
+            self._claimed.discard(block_id)  # taken earlier, out of order
+        return self._free_hashed.popitem(last=False)[0]
+
+    def _remove_free(self, block_id: int) -> None:
+        """Takes a free block out of the queue, wherever it sits."""
+        if block_id in self._free_unhashed:
+            del self._free_unhashed[block_id]
+        elif block_id in self._free_hashed:
+            del self._free_hashed[block_id]
+        elif self._next_unused <= block_id < self.num_blocks and block_id not in self._claimed:
+            self._claimed.add(block_id)
+        else:
+            raise ValueError(f"block {block_id} is not a free block of this pool")
 
     # -- prefix cache -----------------------------------------------------------------------
 
@@ -143,7 +188,7 @@ class BlockPool:
         time) the existing entry wins and this block stays unhashed, to be reused first once
         freed. Returns whether the block was registered.
         """
-        if not self.enable_prefix_caching or self._hash[block_id] is not None:
+        if not self.enable_prefix_caching or block_id in self._hash:
             return False
         if block_hash in self._cached:
             return False
@@ -155,16 +200,15 @@ class BlockPool:
         """Forgets every cached prefix; only possible when no block is referenced.
 
         Used after weights change, when cached KV would be stale. Returns whether it reset.
+        Free blocks keep their place in the queue.
         """
-        if len(self._free) != self.num_blocks:
+        if self.num_free_blocks != self.num_blocks:
             return False
-        for block_id in self._cached.values():
-            self._hash[block_id] = None
+        self._hash.clear()
         self._cached.clear()
         return True
 
     def _evict(self, block_id: int) -> None:
-        block_hash = self._hash[block_id]
+        block_hash = self._hash.pop(block_id, None)
         if block_hash is not None:
-            self._hash[block_id] = None
             del self._cached[block_hash]
