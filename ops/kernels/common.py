@@ -1,6 +1,7 @@
 """Small helpers shared by the Triton launchers."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -22,6 +23,14 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once per device: launch policies
+    (the split-KV count) ask every step, and the property query is not free."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rows_and_width(x: torch.Tensor) -> tuple[int, int]:

@@ -10,11 +10,14 @@ of the unpadded batch. Padded rows are dropped after the forward (``FlatBatch.nu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from vgraph.ops.forward_context import AttentionMetadata
+from vgraph.ops.kernels.attention import wave_efficient_splits
+from vgraph.ops.kernels.common import sm_count
 
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
@@ -24,9 +27,14 @@ from .dispatch import Decision, Path
 PAD_TOKEN_ID = 0
 
 # Split-KV decode pays off when a decode batch has too few (sequence, kv head) programs to
-# fill the GPU and the contexts are long enough to split.
+# fill the GPU and the contexts are long enough to split. The split count aims at a few
+# resident stage-1 programs per SM (compiled for sm_90 at head_dim 128 it takes ~114
+# registers x 128 threads, so 4 fit), each split keeping enough keys to amortize its
+# partial-output write and its share of the merge.
 _SPLIT_KV_MIN_SEQ_LEN = 2048
-_SPLIT_KV_MAX_PROGRAMS = 128
+_SPLIT_KV_PROGRAMS_PER_SM = 4
+_SPLIT_KV_MIN_KEYS_PER_SPLIT = 512
+_SPLIT_KV_MAX_SPLITS = 64
 
 
 @dataclass
@@ -139,14 +147,20 @@ class BatchBuilder:
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             num_kv_splits=self.kv_splits(len(rows.q_lens), max_query_len, max_seq_len))
 
-    def kv_splits(self, num_seqs: int, max_query_len: int, max_seq_len: int) -> int:
-        """Split-KV is a decode kernel, on CUDA, for contexts long enough to split, and only
-        while the unsplit grid has too few (sequence, kv head) programs to fill the GPU."""
+    def kv_splits(self, num_seqs: int, max_query_len: int, max_seq_len: int,
+                  num_sms: Optional[int] = None) -> int:
+        """Split-KV is a decode kernel, on CUDA, for contexts long enough to split. The count
+        fills the GPU: (sequence, kv head) programs times splits against the device's SMs
+        (``num_sms``, default read once from the device) times a few resident programs each,
+        with at least ``_SPLIT_KV_MIN_KEYS_PER_SPLIT`` keys of ``max_seq_len`` per split. A FULL
+        batch passes its bucket's sequence count and max_model_len, so each captured graph
+        bakes one count that serves every context length."""
         if self.device.type != "cuda" or max_query_len != 1 or max_seq_len < _SPLIT_KV_MIN_SEQ_LEN:
             return 1
-        if num_seqs * self.num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
-            return 1
-        return min(16, max_seq_len // 1024)
+        sms = num_sms if num_sms is not None else sm_count(self.device)
+        max_splits = min(max_seq_len // _SPLIT_KV_MIN_KEYS_PER_SPLIT, _SPLIT_KV_MAX_SPLITS)
+        return wave_efficient_splits(num_seqs * self.num_kv_heads, sms * _SPLIT_KV_PROGRAMS_PER_SM,
+                                     max_splits)
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
