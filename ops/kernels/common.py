@@ -39,11 +39,22 @@ def rows_and_width(x: torch.Tensor) -> tuple[int, int]:
     return (x.numel() // width if width else 0), width
 
 
-def row_block(width: int) -> tuple[int, int]:
-    """The block over one row and the warp count for a row-wise kernel of this width."""
-    block = next_pow2(width)
+# Row-wise kernels (RMSNorm, per-token quant) hold at most this many elements of a row per
+# block; wider rows are walked in chunks (a later pass re-reads the row, from L2). Why: the
+# registers of a whole-row block grow with the width. Compiled for sm_90 (ptxas, bf16, 8
+# warps), fused add+RMSNorm+quant as one block takes 64 registers at 8192 wide, 128 at 16384
+# and 254 at 32768 (one 256-thread program per SM, at the spill limit); in 8192-wide chunks
+# it takes 90 at any width. Rows up to 8192 (most hidden sizes) keep their single read.
+ROW_CHUNK = 8192
+
+
+def row_block(width: int, max_block: int = ROW_CHUNK) -> tuple[int, int, bool]:
+    """(block, warps, whole_row) for a row-wise kernel of this width: the block over a row
+    (capped at ``max_block``, a power of two), its warp count, and whether one block holds
+    the whole row (one pass) or the kernel loops over chunks (two or three passes)."""
+    block = min(next_pow2(width), next_pow2(max_block))
     warps = 1 if block <= 256 else 4 if block <= 2048 else 8
-    return block, warps
+    return block, warps, width <= block
 
 
 # Two interpreter casts are wrong (seen with triton 3.9): fp32 -> e4m3 drops the carry when
