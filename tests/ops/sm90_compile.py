@@ -1,0 +1,171 @@
+"""Compiles the Triton kernels' launches for sm_90 (H100/H200) without a GPU and reports what
+ptxas says about each: registers per thread, spill bytes, shared memory.
+
+Why: the interpreter checks the kernels' arithmetic but not that they compile, nor what they
+cost in registers; Triton's compiler and the ptxas it ships run without a device. Each case
+runs a launcher with its kernels recorded (tests/ops/launches.py), then compiles every
+recorded launch with the same specialization a real launch would get.
+
+    python -m tests.ops.sm90_compile          # a table; exit 1 on a spill or a shared-memory overflow
+    python -m tests.ops.sm90_compile --json   # one JSON list (used by test_kernel_compile.py)
+
+TRITON_INTERPRET must be off: interpreted kernels cannot be compiled.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from tests.ops.launches import Launch, as_jit_function, recording
+from vgraph.ops.kernels import activation, attention, fp8, kv_cache, norm
+
+ARCH = 90
+TARGET = GPUTarget("cuda", ARCH, 32)
+SHARED_LIMIT = 227 * 1024  # per block on sm_90
+
+
+@dataclass
+class Usage:
+    case: str
+    kernel: str
+    grid: tuple
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    num_warps: int
+
+
+def _ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers, spill store + load bytes) from ``ptxas -v``, as Triton invokes it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(ARCH).path, "-v", "--regAllocOptLevel=2",
+                              f"--gpu-name=sm_{ARCH}a", src, "-o", src + ".o"],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return int(regs.group(1)), int(spills.group(1)) + int(spills.group(2))
+
+
+def compile_launch(case: str, name: str, kernel: Any, launch: Launch) -> Usage:
+    """Compiles one recorded launch the way ``JITFunction.run`` would on an sm_90 device."""
+    jit = as_jit_function(kernel)
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = jit._pack_args(backend, launch.kwargs, bound,
+                                                           specialization, options)
+    compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=TARGET,
+                              options=options.__dict__)
+    regs, spills = _ptxas_usage(compiled.asm["ptx"])
+    return Usage(case, name, launch.grid, regs, spills, compiled.metadata.shared,
+                 options.num_warps)
+
+
+def _attention_case(group: int, query_len: int, head_dim: int, dtype: torch.dtype,
+                    splits: int = 1) -> Callable[[], None]:
+    kv_heads, seqs = 8, 2
+    q = torch.empty(seqs * query_len, kv_heads * group, head_dim, dtype=dtype)
+    cache = torch.empty(64, 16, kv_heads, head_dim, dtype=dtype)
+    table = torch.empty(seqs, 64, dtype=torch.int32)
+    lens = torch.full((seqs,), query_len, dtype=torch.int32)
+    starts = torch.arange(seqs + 1, dtype=torch.int32) * query_len
+    if splits > 1:
+        return lambda: attention.paged_attention_decode_split_kv_triton(q, cache, cache, table, lens,
+                                                                        0.1, splits)
+    return lambda: attention.paged_attention_triton(q, cache, cache, table, starts, lens, query_len, 0.1)
+
+
+def _row_cases(width: int) -> list[tuple[str, Any, list[str], Callable[[], None]]]:
+    x, w, s = (torch.empty(2, width, dtype=torch.bfloat16), torch.empty(width, dtype=torch.bfloat16),
+               torch.ones(1))
+    rms = ["_rms_norm_kernel"]
+    return [
+        (f"rms_norm w{width}", norm, rms, lambda: norm.rms_norm_triton(x, w, 1e-6)),
+        (f"add+rms_norm+static fp8 w{width}", norm, rms,
+         lambda: norm.rms_norm_triton(x, w, 1e-6, residual=x, quant=norm.QUANT_STATIC, scale=s)),
+        (f"rms_norm+dynamic fp8 w{width}", norm, rms,
+         lambda: norm.rms_norm_triton(x, w, 1e-6, quant=norm.QUANT_DYNAMIC)),
+        (f"dynamic fp8 w{width}", fp8, ["_dynamic_per_token_quant_kernel"],
+         lambda: fp8.dynamic_per_token_scaled_fp8_quant_triton(x)),
+        (f"static fp8 w{width}", fp8, ["_static_quant_kernel"],
+         lambda: fp8.static_scaled_fp8_quant_triton(x, s)),
+    ]
+
+
+def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
+    """(label, module, kernel names, launcher call): the shapes the host code chooses for
+    decode and prefill attention, split-KV, and row kernels below and above ROW_CHUNK."""
+    unified = ["_paged_attention_kernel"]
+    split = ["_split_kv_stage1_kernel", "_split_kv_stage2_kernel"]
+    bf16 = torch.bfloat16
+    out = [
+        (f"attention g{g} q{q} d{d} {str(dt)[6:]}", attention, unified, _attention_case(g, q, d, dt))
+        for g, q, d, dt in [(1, 1, 128, bf16), (4, 1, 128, bf16), (8, 1, 64, bf16), (4, 1, 256, bf16),
+                            (1, 2048, 128, bf16), (4, 2048, 128, bf16), (7, 2048, 80, bf16),
+                            (4, 2048, 64, bf16), (4, 2048, 256, bf16), (4, 2048, 128, torch.float16),
+                            (4, 2048, 128, torch.float32), (4, 2048, 256, torch.float32),
+                            (8, 1, 128, torch.float32)]
+    ]
+    out += [(f"split-KV g{g} d{d} {str(dt)[6:]}", attention, split,
+             _attention_case(g, 1, d, dt, splits=8))
+            for g, d, dt in [(1, 128, bf16), (4, 128, bf16), (8, 64, bf16), (4, 256, bf16),
+                             (4, 128, torch.float32), (4, 256, torch.float32)]]
+    for width in (4096, 8192, 16384):
+        out += _row_cases(width)
+    x = torch.empty(2, 2 * 14336, dtype=bf16)
+    out.append(("silu_and_mul+static fp8", activation, ["_silu_and_mul_kernel"],
+                lambda: activation.silu_and_mul_triton(x, scale=torch.ones(1))))
+    kv, cache = torch.empty(2, 8, 128, dtype=bf16), torch.empty(4, 16, 8, 128, dtype=bf16)
+    out.append(("reshape_and_cache", kv_cache, ["_reshape_and_cache_kernel"],
+                lambda: kv_cache.reshape_and_cache_triton(kv, kv, cache, cache,
+                                                          torch.zeros(2, dtype=torch.long))))
+    return out
+
+
+def run_all() -> list[Usage]:
+    usages = []
+    for label, module, names, call in cases():
+        with recording(module, *names) as recorders:
+            call()
+        for name, recorder in recorders.items():
+            usages += [compile_launch(label, name, recorder.kernel, launch) for launch in recorder.launches]
+    return usages
+
+
+def problems(usages: list[Usage]) -> list[str]:
+    return [f"{u.case} {u.kernel}: {u.spill_bytes} spill bytes, {u.shared_bytes} shared"
+            for u in usages if u.spill_bytes or u.shared_bytes > SHARED_LIMIT]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        print("TRITON_INTERPRET=1: interpreted kernels cannot be compiled", file=sys.stderr)
+        return 2
+    usages = run_all()
+    if "--json" in sys.argv:
+        print(json.dumps([asdict(u) for u in usages]))
+    else:
+        for u in usages:
+            print(f"{u.case:36s} {u.kernel:32s} warps {u.num_warps}  regs {u.registers:3d}  "
+                  f"spill {u.spill_bytes:5d} B  shared {u.shared_bytes:6d} B")
+    return 1 if problems(usages) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
