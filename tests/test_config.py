@@ -287,3 +287,12 @@ def test_unresolved_config_refuses_resolved_only_reads():
         config.torch_device
     with pytest.raises(ValueError, match="not resolved"):
         config.max_model_len
+
+
+def test_resolved_config_does_not_share_the_callers_lists():
+    sizes, passes = [1, 2], []
+    given = EngineConfig(ModelConfig("m"), compile=CompileConfig(cudagraph_capture_sizes=sizes, passes=passes))
+    resolved = given.resolved(model_path="/m", max_position_embeddings=64, quantized=False)
+    sizes.append(4)
+    passes.append(object())
+    assert resolved.compile.cudagraph_capture_sizes == [1, 2] and resolved.compile.passes == []

@@ -230,7 +230,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
-    device: str = field(default="auto", metadata=cli("auto = cuda when available, else cpu", choices=list(DEVICES)))
+    device: str = field(default="auto", metadata=cli("auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     max_logprobs: int = field(default=20, metadata=cli("largest logprobs / top_logprobs a request may ask"))
 
     def __post_init__(self) -> None:
@@ -254,8 +254,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings "
                              f"{max_position_embeddings}")
         kind = torch.device(device).type
-        compile_config = replace(self.compile, custom_ops=self.compile.resolved_custom_ops(kind, quantized),
-                                 cudagraph_mode=self.compile.resolved_graph_mode(kind))
+        c = self.compile
+        # Lists copied: a caller who changes its own lists later does not change this engine.
+        compile_config = replace(c, custom_ops=c.resolved_custom_ops(kind, quantized),
+                                 cudagraph_mode=c.resolved_graph_mode(kind), splitting_ops=list(c.splitting_ops),
+                                 compile_sizes=list(c.compile_sizes), passes=list(c.passes),
+                                 cudagraph_capture_sizes=None if c.cudagraph_capture_sizes is None
+                                 else list(c.cudagraph_capture_sizes))
         return replace(self, device=device, compile=compile_config,
                        model=replace(self.model, model=str(model_path), max_model_len=wanted))
 

@@ -156,9 +156,14 @@ def test_profile_records_what_the_budget_needs(monkeypatch):
     monkeypatch.setattr(runner_module, "allocate_kv_caches",
                         lambda s, blocks, dev: ScratchKV(device, blocks * s.bytes_per_block))
 
+    steps = []
+
     def step(graphs: object, sched: object) -> None:
-        device.alloc(8 * GIB, extra_reserved=GIB)
-        device.release(8 * GIB)
+        """The widest prefill peaks at 8 GiB; the decode of every seat (sampler) at less."""
+        size = 8 * GIB if not steps else GIB
+        steps.append(sched)
+        device.alloc(size, extra_reserved=GIB if len(steps) == 1 else 0)
+        device.release(size)
 
     config = SimpleNamespace(cache=CacheConfig(), max_model_len=32,
                              scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4))
@@ -169,3 +174,6 @@ def test_profile_records_what_the_budget_needs(monkeypatch):
     assert (profile.resident_bytes, profile.tokens) == (16 * GIB, 64)
     assert (profile.total_bytes, profile.reserved_bytes) == (80 * GIB, 16 * GIB)
     assert profile.total_bytes - profile.free_bytes - profile.reserved_bytes == 3 * GIB
+    prefill, decode = steps
+    assert prefill.num_batched_tokens == 64, "the most tokens in one step"
+    assert len(decode.scheduled) == 4 and decode.num_batched_tokens == 4, "the most sampled rows"

@@ -63,10 +63,11 @@ class LLMEngine:
         self.config = config.resolved(
             model_path=path, max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),
             quantized=resolve_quantization(config.model.quantization, hf_config) is not None)
-        torch.manual_seed(self.config.model.seed)
-        self.runner = ModelRunner(self.config)
+        # Before the runner's minutes of compiling and capturing: a bad tokenizer fails at once.
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path))
+        torch.manual_seed(self.config.model.seed)
+        self.runner = ModelRunner(self.config)
         self.max_model_len = self.config.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
@@ -113,11 +114,13 @@ class LLMEngine:
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
         groups = [self._groups[rid] for rid in ids if rid in self._groups]
+        # A sequence of an n > 1 request that already stopped keeps its own reason.
+        reasons = [[s.request.finish_reason or "abort" for s in g.sequences] for g in groups]
         self.scheduler.abort_requests([s.request.request_id for g in groups for s in g.sequences])
         for group in groups:
             self._forget(group.request_id)
-        return [RequestTiming(g.request_id, len(g.prompt_token_ids), finish_reasons=["abort"] * len(g.sequences))
-                for g in groups]
+        return [RequestTiming(g.request_id, len(g.prompt_token_ids), finish_reasons=r)
+                for g, r in zip(groups, reasons)]
 
     def abort_all(self) -> list[RequestTiming]:
         """Aborts every unfinished request (a server shutting down)."""

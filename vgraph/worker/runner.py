@@ -1,10 +1,11 @@
 """The model runner: owns the model, the KV cache and the compiled forward, and turns one
 scheduled step into one sampled token per finished chunk.
 
-Its startup is one story, told in ``__init__``: load the model, profile the largest step
+Its startup is one story, told in ``__init__``: load the model, profile the largest steps
 (CUDA), size and allocate the KV cache, compile (or load from the compile cache), warm up,
-capture CUDA graphs. Every forward of that story (profiling, warm-up, capture) runs dummy
-scheduled requests through the same batch builder, dispatcher and sampler as a real step.
+capture CUDA graphs. Profiling and warm-up run dummy requests through the real step (batch
+builder, dispatcher, forward, sampler); capture builds its batches with the same builder
+(dummy prefills for PIECEWISE buckets, all-padding batches for FULL ones).
 The engine reads what it needs from ``num_blocks`` and ``startup``; nothing outside this
 package changes a runner.
 """
@@ -29,7 +30,7 @@ from ..models.loader import load_model
 from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
-from .dummy import DummySource, blocks_for, dummy_lengths, dummy_prefill
+from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
 from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
@@ -88,17 +89,17 @@ class ModelRunner:
             logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
                            capture.memory_bytes / 2**30, reserve / 2**30)
         self.startup = StartupReport(t1 - t0, weights.weights_bytes, t2 - t1, self.num_blocks,
-                                     self.num_blocks * self.spec.bytes_per_block, profile, reserve, t3 - t2,
-                                     capture)
+                                     self.num_blocks * self.spec.bytes_per_block, profile, t3 - t2, capture)
 
     # ------------------------------------------------------------------ startup phases
 
     @torch.inference_mode()
     def _profile_memory(self) -> Optional[MemoryProfile]:
-        """On CUDA, unless the KV size is given: the peak device memory of the largest step
-        the scheduler may run (``max_num_batched_tokens`` tokens in prefills of at most
-        ``max_model_len``), sampler included, eager, over a scratch KV cache just large enough
-        (freed before returning); then what the device holds outside torch's allocator."""
+        """On CUDA, unless the KV size is given: the peak device memory of the largest steps
+        the scheduler may run, eager, sampler included, over a scratch KV cache (freed before
+        returning): the most tokens (``max_num_batched_tokens`` in prefills of at most
+        ``max_model_len``) and the most sampled rows (a decode of ``max_num_seqs``
+        sequences); then what the device holds outside torch's allocator."""
         if self.device.type != "cuda" or self.config.cache.num_gpu_blocks is not None:
             return None
         sched = self.config.scheduler
@@ -113,6 +114,8 @@ class ModelRunner:
         eager = GraphRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
                             Buckets((), ()), 1)
         self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
+        # The widest sampling step too: logits and the top-k/top-p sort for every seat.
+        self._step(eager, dummy_decode(sched.max_num_seqs, 1, self.spec.block_size, scratch_blocks))
         torch.cuda.synchronize(self.device)
         scratch = scratch_blocks * self.spec.bytes_per_block
         peak = torch.cuda.max_memory_allocated(self.device) - scratch

@@ -18,9 +18,9 @@ class StartupReport:
     num_blocks: int
     kv_bytes: int
     profile: Optional[MemoryProfile]  # the profiled step (CUDA, KV sized from memory), else None
-    graph_reserve_bytes: int  # what the KV sizing left free for CUDA graph capture
     compile_seconds: float  # compile or cache load, and the warm-up step (0 work when eager)
-    capture: CaptureReport  # empty where nothing is captured (CPU, graphs off)
+    capture: CaptureReport  # empty where nothing is captured (CPU, graphs off); its
+    # estimated_bytes is what the KV sizing left free for capture
 
     def timeline(self) -> str:
         return (f"load {self.load_seconds:.2f} s ({format_bytes(self.weights_bytes)} of weights), "
