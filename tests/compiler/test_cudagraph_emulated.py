@@ -11,19 +11,24 @@ part (kernels recorded on the capture stream, the memory pool), is in test_cudag
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
+from tests.compiler.graph_scenarios import (GPU_MAX_SEQS, GPU_NEW_PROMPT, assert_logprobs_close, gpu_llm_kwargs,
+                                           gpu_prompts, replay_equals_eager)
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
 from vgraph.compiler import piecewise_graphs
+from vgraph.compiler.capture_safety import CaptureRegion, CaptureSafetyError
 from vgraph.config import CompileConfig, CudaGraphMode
-from vgraph.ops.forward_context import ForwardContext, set_forward_context
+from vgraph.core.scheduler import SchedulerOutput
+from vgraph.worker.cuda_graphs import FullGraphs
+from vgraph.worker.dispatch import Decision, Path
 from vgraph.worker.dummy import DummySource
-from vgraph.worker.dispatch import Path
 
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 MAX_SEQS = 40  # decode buckets 1..64: 64 is the first that holds 40 sequences
@@ -32,10 +37,12 @@ NEW_TOKENS = 5
 
 
 class EmulatedGraph:
-    """A CUDA graph on CPU: ``replay`` runs the captured body again."""
+    """A CUDA graph on CPU: ``replay`` runs the captured body again, under the capture-safety
+    check (vgraph/compiler/capture_safety.py), as every capture and replay here does."""
 
     def __init__(self) -> None:
         self.body: Optional[Callable[[], None]] = None
+        self.region: Optional[CaptureRegion] = None
         self.replays = 0
 
     def replay(self) -> None:
@@ -43,18 +50,23 @@ class EmulatedGraph:
         self.body()
 
 
-def _record(graph: EmulatedGraph, pool: object, body: Callable[[], None]) -> None:
-    graph.body = body  # capture records without running
+def _record(graph: EmulatedGraph, pool: object, body: Callable[[], object], region: CaptureRegion) -> None:
+    """A capture runs the body's Python once, recording its kernels: here it runs checked (its
+    kernels execute for real, writing only the graph's buffers); so does every replay."""
+    graph.region = region
+    graph.body = region.checked(body)
+    region.checked(body)()
 
 
-def _emulated_llm(mode: CudaGraphMode):
+def _emulated_llm(mode: CudaGraphMode, max_seqs: int = MAX_SEQS, **kwargs):
     """An engine whose graphs are captured on CPU (the runner captures only on CUDA, so the
-    test calls the capture the runner would make there)."""
-    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=256,
-              max_num_seqs=MAX_SEQS, max_num_batched_tokens=512,
-              compile_config=CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES))
+    test calls the capture the runner would make there); ``kwargs`` replace this file's
+    ``LLM`` arguments."""
+    args = dict(dtype="float32", num_gpu_blocks=256, max_num_seqs=max_seqs, max_num_batched_tokens=512,
+                compile_config=CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES))
+    llm = LLM(tiny_checkpoint(arch="llama"), device="cpu", **{**args, **kwargs})
     runner = llm.engine.runner
-    report = runner.graphs.capture(None, DummySource(runner.num_blocks, llm.engine.max_model_len, MAX_SEQS))
+    report = runner.graphs.capture(None, DummySource(runner.num_blocks, llm.engine.max_model_len, max_seqs))
     return llm, report
 
 
@@ -120,45 +132,51 @@ def test_greedy_tokens_with_graphs_equal_transformers(emulated, prompts, batch_s
     assert llm.engine.runner.compile_counters.recompiles == 0
 
 
-def _decode_state(llm, prompts, n: int):
-    engine = llm.engine
-    for i in range(n):
-        engine.add_request(f"s{i}", {"prompt_token_ids": prompts[i]},
-                           SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    engine.step()
-    return engine
-
-
-def _eager(runner, ids, positions, meta) -> torch.Tensor:
-    with set_forward_context(ForwardContext(meta, runner.kv_caches, runner.softmax_scale)):
-        return runner.model(ids, positions)
-
-
 @pytest.mark.parametrize("kind", ["full", "piecewise"])
 def test_replay_equals_the_eager_forward_on_the_same_inputs(emulated, prompts, kind):
-    llm, _ = emulated
-    engine = _decode_state(llm, prompts, 5)
-    runner = engine.runner
-    try:
-        if kind == "piecewise":
-            engine.add_request("s-new", {"prompt_token_ids": prompts[7]},
-                               SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-        sched = engine.scheduler.schedule()
-        graphs = runner.graphs
-        with torch.inference_mode():
-            batch, decision = graphs.build(sched)
-            assert decision.path is Path(kind)
-            replayed = graphs.run(batch, decision).clone()
-            if kind == "full":
-                inputs = graphs.decode_buffers.fill(batch)
-                eager = _eager(runner, inputs.input_ids, inputs.positions, inputs.attn_metadata)
-            else:
-                eager = _eager(runner, batch.input_ids, batch.positions, batch.attn_metadata)
-        n = batch.num_scheduled
-        torch.testing.assert_close(replayed[:n], eager[:n], rtol=1e-5, atol=1e-5)
-        engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
-    finally:
-        engine.abort_request([f"s{i}" for i in range(5)] + ["s-new"])
+    replay_equals_eager(emulated[0], prompts, kind, new_prompt=7, tol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gpu_configured(emulation):
+    """The engine of test_cudagraph_gpu.py, on CPU with emulated graphs."""
+    return _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, GPU_MAX_SEQS, **gpu_llm_kwargs("float32", "full_and_piecewise"))
+
+
+@pytest.mark.parametrize("kind, bucket", [("full", 8), ("piecewise", 32)])
+def test_the_gpu_replay_test_runs_on_its_path_and_replays(gpu_configured, kind, bucket):
+    """test_cudagraph_gpu.py's replay scenario, exactly: the batch it builds must take the
+    path it asserts (a 45-token mixed batch once fell past its largest bucket, 40)."""
+    replay_equals_eager(gpu_configured[0], gpu_prompts(), kind, new_prompt=GPU_NEW_PROMPT, tol=1e-5,
+                        expected_bucket=bucket)
+
+
+def test_every_graph_is_recorded_under_the_capture_safety_check(emulated):
+    graphs = emulated[0].engine.runner.graphs
+    pieces = [e.graph for _, p in graphs.piecewise_graphs._pieces.values() for e in p.graphs.values()]
+    recorded = list(graphs.full_graphs.graphs.values()) + pieces
+    assert len(recorded) == emulated[1].full_graphs + emulated[1].piecewise_graphs
+    assert all(g.region is not None and g.region.device == torch.device("cpu") for g in recorded)
+    kv = graphs.kv_caches[0][0]
+    assert all(kv.untyped_storage()._cdata in g.region.owned_keys for g in graphs.full_graphs.graphs.values())
+
+
+@pytest.mark.parametrize("per_call, refused", [
+    ("input_ids", "a compiled piece reads a torch.int64 tensor"),
+    ("attention metadata", "vgraph::unified_attention \\(forward context\\) reads a torch.int64 tensor"),
+])
+def test_a_full_body_over_the_batchs_own_tensors_is_refused(emulated, per_call, refused):
+    """The mistake the check exists for: a FULL body reading the capture batch's tensors
+    instead of the persistent decode buffers replays that batch forever on CUDA."""
+    graphs = emulated[0].engine.runner.graphs
+    with torch.inference_mode():
+        batch = graphs.builder.build(SchedulerOutput(), Decision(Path.FULL, 8, 0))
+        inputs = graphs.decode_buffers.fill(batch)
+        ids = batch.input_ids if per_call == "input_ids" else inputs.input_ids
+        meta = batch.attn_metadata if per_call == "attention metadata" else inputs.attn_metadata
+        full = FullGraphs(None, graphs.decode_buffers.max_seqs)
+        with pytest.raises(CaptureSafetyError, match=f"{refused} .* the graph does not own"):
+            full.capture(8, lambda: graphs._forward_inputs(ids, inputs.positions, meta, None), graphs._persistent())
 
 
 @pytest.mark.parametrize("mode", [CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE])
@@ -212,3 +230,18 @@ def test_piece_graph_reads_weights_in_place_and_copies_per_call_inputs(monkeypat
     torch.testing.assert_close(replayed[1], x * 3)
     assert graphs.replay(3, (torch.nn.Parameter(weight.clone()), x, table, 3)) is None, "a new weight: no replay"
     assert graphs.replay(4, (weight, torch.randn(4, 4), table, 4)) is None, "no graph for 4 tokens"
+
+
+def _run_of(tokens: list[int], logprobs: list[dict[int, float]]) -> SimpleNamespace:
+    return SimpleNamespace(token_ids=tokens, logprobs=logprobs)
+
+
+def test_logprob_comparison_allows_parting_only_at_a_near_tie():
+    """The bf16 comparison of test_cudagraph_gpu.py (graph_scenarios.assert_logprobs_close)."""
+    a = _run_of([5, 7, 9], [{5: -0.5, 6: -1.5}, {7: -0.70, 8: -0.72}, {9: -0.1}])
+    tie = _run_of([5, 8, 1], [{5: -0.52, 6: -1.4}, {8: -0.69, 7: -0.71}, {1: -0.1}])
+    assert_logprobs_close([a], [tie], atol=0.05)  # parts at step 1, a near tie: stops there
+    with pytest.raises(AssertionError, match="step 0: token 5 logprob"):
+        assert_logprobs_close([a], [_run_of([5, 7, 9], [{5: -0.7}, {7: -0.7}, {9: -0.1}])], atol=0.05)
+    with pytest.raises(AssertionError, match="step 1: tokens 7 vs 8 differ without a near tie"):
+        assert_logprobs_close([a], [_run_of([5, 8, 9], [{5: -0.5}, {8: -0.1, 7: -2.0}, {9: -0.1}])], atol=0.05)

@@ -11,6 +11,8 @@ import torch
 
 from vgraph.ops.forward_context import current_forward_context
 
+from .capture_safety import call_opaque
+
 
 @dataclass(frozen=True)
 class TokenDim:
@@ -60,4 +62,4 @@ class PieceRunner(torch.nn.Module):
         ctx = current_forward_context()
         if ctx is not None and ctx.piecewise is not None and num_tokens is not None:
             return self._unflatten(ctx.piecewise.run(self, fn, args, num_tokens))
-        return self._unflatten(fn(*args))
+        return self._unflatten(call_opaque(fn, args))

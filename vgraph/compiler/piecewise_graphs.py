@@ -26,6 +26,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
+from . import capture_safety
+from .capture_safety import CaptureRegion
+
+
 class _Buffers:
     """Persistent tensors by slot, shared across token counts: a slot's tensor is made by its
     first (largest) capture with that capture's strides, and smaller counts use its leading
@@ -71,15 +75,25 @@ def new_graph() -> Any:
     return torch.cuda.CUDAGraph()
 
 
-def record(graph: Any, pool: Any, body: Callable[[], None]) -> None:
+def record(graph: Any, pool: Any, body: Callable[[], Any], region: CaptureRegion) -> None:
     """Captures what ``body`` launches into ``graph``. Replaying a graph re-runs the body's
     kernels on the same addresses, i.e. is ``body()`` again with whatever the buffers hold
-    then; tests emulate CUDA graphs on CPU by replacing these two functions on that basis."""
+    then; tests emulate CUDA graphs on CPU by replacing these two functions on that basis.
+    ``region`` says what the body may touch: with ``VGRAPH_CHECK_CAPTURE=1`` the body runs
+    under the capture-safety check (capture_safety.py), as it always does in CI."""
+    run = region.checked(body) if capture_safety.enabled() else body
     with torch.cuda.graph(graph, pool=pool):
-        body()
+        run()
 
 
 # ---------------------------------------------------------------------------------- PIECEWISE
+
+
+def _region_of(inputs: Sequence, outs: Sequence) -> CaptureRegion:
+    """A piece's graph owns exactly what it reads in place (weights, staged inputs, earlier
+    graphs' outputs) and its output buffers: everything else it touches is its own scratch."""
+    tensors = [t for t in list(inputs) + list(outs) if isinstance(t, torch.Tensor)]
+    return CaptureRegion(tensors[0].device if tensors else "cpu", tensors)
 
 
 @dataclass
@@ -125,12 +139,12 @@ class PieceGraphs:
         outs = self._out_views[num_tokens]
 
         def body() -> None:
-            for dst, value in zip(outs, _flat(fn(*inputs))):
+            for dst, value in zip(outs, _flat(capture_safety.call_opaque(fn, inputs))):
                 if isinstance(dst, torch.Tensor):
                     dst.copy_(value)
 
         graph = new_graph()
-        record(graph, pool, body)
+        record(graph, pool, body, _region_of(inputs, outs))
         graph.replay()  # capture records without running: make this call's outputs real
         self.graphs[num_tokens] = _PieceGraph(graph, inputs, copied, outs)
         return outs

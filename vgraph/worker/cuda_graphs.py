@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 
 from ..compiler import piecewise_graphs
+from ..compiler.capture_safety import CaptureRegion
 from ..compiler.piecewise_graphs import Phase, PiecewiseGraphs
 from ..config import CudaGraphMode
 from ..core.scheduler import SchedulerOutput
@@ -98,6 +99,11 @@ class DecodeBuffers:
             max_query_len=1, max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
         return DecodeInputs(self.input_ids[:bucket], self.positions[:bucket], views)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every persistent buffer (what FULL graphs read in place)."""
+        return [self.input_ids, self.positions, self.slot_mapping, self.block_table, self.seq_lens,
+                self.query_start_loc]
+
     def _check(self, batch: FlatBatch) -> None:
         meta, n = batch.attn_metadata, batch.num_tokens
         if not (n == meta.num_seqs and meta.max_query_len == 1):
@@ -118,15 +124,17 @@ class FullGraphs:
         self.graphs: dict[int, Any] = {}
         self.hidden: Optional[torch.Tensor] = None  # [max bucket, hidden], written by every graph
 
-    def capture(self, bucket: int, run: Callable[[], torch.Tensor]) -> None:
-        """``run`` is the forward over the bucket's buffers, in its forward context."""
+    def capture(self, bucket: int, run: Callable[[], torch.Tensor], persistent: Sequence[torch.Tensor]) -> None:
+        """``run`` is the forward over the bucket's buffers, in its forward context;
+        ``persistent`` what it may read in place (input buffers, weights, KV caches)."""
         warm = run()  # compiles Triton kernels; sizes the output buffer
         if self.hidden is None:
             self.hidden = warm.new_empty((self.max_seqs, *warm.shape[1:]))
         del warm
         hidden = self.hidden
         graph = piecewise_graphs.new_graph()
-        piecewise_graphs.record(graph, self.pool, lambda: hidden[:bucket].copy_(run()))
+        region = CaptureRegion(hidden.device, [*persistent, hidden])
+        piecewise_graphs.record(graph, self.pool, lambda: hidden[:bucket].copy_(run()), region)
         self.graphs[bucket] = graph
 
     def replay(self, bucket: int) -> torch.Tensor:
@@ -239,7 +247,12 @@ class GraphRunner:
         batch = self.builder.build(SchedulerOutput(), Decision(Path.FULL, bucket, 0))
         inputs = self.decode_buffers.fill(batch)
         self.full_graphs.capture(bucket, lambda: self._forward_inputs(
-            inputs.input_ids, inputs.positions, inputs.attn_metadata, None))
+            inputs.input_ids, inputs.positions, inputs.attn_metadata, None), self._persistent())
+
+    def _persistent(self) -> list[torch.Tensor]:
+        """What a FULL graph reads in place: the decode buffers, the KV caches, the weights."""
+        caches = [t for layer in self.kv_caches for t in layer]
+        return self.decode_buffers.tensors() + caches + _model_state(self.forward_fn)
 
     def _capture_pieces(self, num_tokens: int, dummies: DummySource) -> None:
         """Warm-up then capture, each over a fresh dummy batch: a piece tells weights from
@@ -247,6 +260,15 @@ class GraphRunner:
         for phase in (Phase.WARMUP, Phase.CAPTURE):
             sched = dummies.prefill(num_tokens, self.builder.block_size)
             self._forward(self.builder.build(sched, Decision(Path.PIECEWISE, num_tokens, num_tokens)), phase)
+
+
+def _model_state(forward: Forward) -> list[torch.Tensor]:
+    """Parameters and buffers of the model behind ``forward``: the eager module itself, or
+    the module a ``CompiledForward`` compiled (its ``model``)."""
+    module = forward if isinstance(forward, torch.nn.Module) else getattr(forward, "model", None)
+    if not isinstance(module, torch.nn.Module):
+        return []
+    return [*module.parameters(), *module.buffers()]
 
 
 @contextlib.contextmanager
