@@ -171,3 +171,35 @@ def test_greedy_and_random_rows_mixed():
     flat_requests = [_request(temperature=0.0 if i % 2 else 2.0, seed=i) for i in range(6)]
     tokens = _sample(wide, flat_requests).token_ids
     assert torch.equal(tokens[1::2], wide[1::2].argmax(-1))
+
+
+def test_cuda_metadata_is_built_in_pinned_memory_and_copied_without_blocking(monkeypatch):
+    """On a GPU every per-step tensor is built on the host in pinned memory and copied with
+    ``non_blocking=True``. The device is mocked: host tensors are plain and the copy returns
+    them, so the values can be compared with the CPU metadata."""
+    requests = [_request(temperature=0.8, top_k=5, top_p=0.9, min_tokens=3, stop_token_ids=[3]),
+                _request(temperature=0.0, min_p=0.1)]
+    on_cpu = SamplingMetadata.from_requests(requests, V, "cpu")
+    built, copies = [], []
+    host_tensor = torch.tensor
+
+    def tensor(data, *, dtype=None, pin_memory=False, **others):
+        assert not others, f"built on the host only, got {others}"
+        built.append(pin_memory)
+        return host_tensor(data, dtype=dtype)
+
+    def to(self, device, non_blocking=False):
+        copies.append((torch.device(device), non_blocking))
+        return self
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    on_cuda = SamplingMetadata.from_requests(requests, V, "cuda")
+    monkeypatch.undo()
+    assert built == [True] * 10, "temperature, greedy, top_k/p, min_p, 3 penalties, min_tokens rows/cols"
+    assert copies == [(torch.device("cuda"), True)] * 10
+    for name, value in vars(on_cpu).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(getattr(on_cuda, name), value), name
+        else:
+            assert getattr(on_cuda, name) == value, name
