@@ -140,7 +140,8 @@ def test_replay_equals_the_eager_forward_on_the_same_inputs(emulated, prompts, k
 @pytest.fixture(scope="module")
 def gpu_configured(emulation):
     """The engine of test_cudagraph_gpu.py, on CPU with emulated graphs."""
-    return _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, GPU_MAX_SEQS, **gpu_llm_kwargs("float32", "full_and_piecewise"))
+    mode = CudaGraphMode.FULL_AND_PIECEWISE
+    return _emulated_llm(mode, GPU_MAX_SEQS, **gpu_llm_kwargs("float32", mode.value))
 
 
 @pytest.mark.parametrize("kind, bucket", [("full", 8), ("piecewise", 32)])
