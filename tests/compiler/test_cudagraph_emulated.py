@@ -66,7 +66,7 @@ def _emulated_llm(mode: CudaGraphMode, max_seqs: int = MAX_SEQS, **kwargs):
                 compile_config=CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=SIZES))
     llm = LLM(tiny_checkpoint(arch="llama"), device="cpu", **{**args, **kwargs})
     runner = llm.engine.runner
-    report = runner.graphs.capture(None, DummySource(runner.num_blocks, llm.engine.max_model_len, max_seqs))
+    report = runner.graphs.capture(None, DummySource(runner.num_blocks, runner.spec.block_size, llm.engine.max_model_len, max_seqs))
     return llm, report
 
 

@@ -240,3 +240,12 @@ def test_padded_attention_equals_unpadded_and_writes_the_same_cache(path):
     assert torch.count_nonzero(out[n:]) == 0, "padding rows produce zeros"
     for (a, b), (c, d) in zip(plain_caches, padded_caches):
         assert torch.equal(a, c) and torch.equal(b, d), "padding rows write nothing"
+
+
+def test_decode_buffers_are_inference_tensors_like_every_runner_input():
+    """Built outside inference mode (the runner's __init__), they must still be inference
+    tensors: the compiled forward guards on it, and on Dynamo's frame an ordinary tensor
+    would be a recompile, which raises during serving."""
+    bufs = DecodeBuffers(max_seqs=4, max_blocks_per_seq=2, device=torch.device("cpu"))
+    assert all(t.is_inference() for t in bufs.tensors())
+    assert bufs.nbytes == sum(t.numel() * t.element_size() for t in bufs.tensors())

@@ -49,10 +49,6 @@ class _Buffers:
             self._shared[slot] = new
         return new
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._shared.values())
-
 
 def _leading_rows_fit(buf: torch.Tensor, t: torch.Tensor) -> bool:
     return (t.dim() > 0 and buf.dtype == t.dtype and buf.device == t.device and buf.shape[1:] == t.shape[1:]
@@ -181,10 +177,6 @@ class PieceGraphs:
         entry.graph.replay()
         return entry.outputs
 
-    @property
-    def buffer_bytes(self) -> int:
-        return self._staging.nbytes + self._outs.nbytes
-
 
 class Phase(enum.Enum):
     WARMUP = "warmup"  # run plainly, prepare buffers
@@ -236,10 +228,6 @@ class PiecewiseGraphs:
     @property
     def num_graphs(self) -> int:
         return sum(len(g.graphs) for _, g in self._pieces.values())
-
-    @property
-    def buffer_bytes(self) -> int:
-        return sum(g.buffer_bytes for _, g in self._pieces.values())
 
 
 @dataclass(frozen=True)

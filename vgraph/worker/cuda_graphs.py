@@ -64,7 +64,10 @@ class DecodeBuffers:
     copied in before replay. Every sequence of a FULL batch owns exactly one row, so
     ``query_start_loc`` is ``0..B`` and is written once, here."""
 
+    @torch.inference_mode()
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        # Inference tensors, like every other input the runner makes: the compiled forward
+        # guards on that, and on Dynamo's frame an ordinary tensor would be a recompile.
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
         self.max_seqs = max_seqs
         self.input_ids = torch.zeros(max_seqs, **long)
@@ -75,6 +78,7 @@ class DecodeBuffers:
         self.query_start_loc = torch.arange(max_seqs + 1, **i32)
         self._views: dict[int, DecodeInputs] = {}
 
+    @torch.inference_mode()
     def fill(self, batch: FlatBatch) -> DecodeInputs:
         """Copies a FULL batch (already padded to its bucket by the builder) in place and
         returns the bucket's views (the same objects every time: the metadata a graph was
@@ -103,6 +107,10 @@ class DecodeBuffers:
         """Every persistent buffer (what FULL graphs read in place)."""
         return [self.input_ids, self.positions, self.slot_mapping, self.block_table, self.seq_lens,
                 self.query_start_loc]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
     def _check(self, batch: FlatBatch) -> None:
         meta, n = batch.attn_metadata, batch.num_tokens
@@ -238,6 +246,8 @@ class GraphRunner:
                     self._capture_pieces(num_tokens, dummies)
                     bar.update(1)
             used = max(0, free_before - _free_bytes(device))
+        if self.decode_buffers is not None and device.type == "cuda":
+            used += self.decode_buffers.nbytes  # allocated before the baseline; estimated with the rest
         return CaptureReport(full_graphs=len(full_jobs), piecewise_buckets=len(piece_jobs),
                              piecewise_graphs=self.piecewise_graphs.num_graphs if self.piecewise_graphs else 0,
                              seconds=time.perf_counter() - start, memory_bytes=used)
@@ -258,8 +268,9 @@ class GraphRunner:
         """Warm-up then capture, each over a fresh dummy batch: a piece tells weights from
         per-call inputs by whether the same tensor object comes back."""
         for phase in (Phase.WARMUP, Phase.CAPTURE):
-            sched = dummies.prefill(num_tokens, self.builder.block_size)
-            self._forward(self.builder.build(sched, Decision(Path.PIECEWISE, num_tokens, num_tokens)), phase)
+            sched = dummies.prefill(num_tokens)
+            decision = Decision(Path.PIECEWISE, num_tokens, sched.num_batched_tokens)
+            self._forward(self.builder.build(sched, decision), phase)
 
 
 def _model_state(forward: Forward) -> list[torch.Tensor]:

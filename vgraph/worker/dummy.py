@@ -61,9 +61,10 @@ class DummySource:
     """Dummy prefills of a given size for graph capture, over a pool of ``num_blocks``."""
 
     num_blocks: int
+    block_size: int
     max_model_len: int
     max_num_seqs: int
 
-    def prefill(self, num_tokens: int, block_size: int) -> SchedulerOutput:
+    def prefill(self, num_tokens: int) -> SchedulerOutput:
         lens = dummy_lengths(num_tokens, self.max_model_len, self.max_num_seqs)
-        return dummy_prefill(lens, block_size, self.num_blocks)
+        return dummy_prefill(lens, self.block_size, self.num_blocks)

@@ -177,7 +177,8 @@ class ModelRunner:
             return CaptureReport()
         sched = self.config.scheduler
         report = self.graphs.capture(torch.cuda.graph_pool_handle(),
-                                     DummySource(self.num_blocks, self.config.max_model_len, sched.max_num_seqs))
+                                     DummySource(self.num_blocks, self.spec.block_size, self.config.max_model_len,
+                                                 sched.max_num_seqs))
         logger.info(report.summary())
         return report
 
