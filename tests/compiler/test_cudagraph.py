@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
+from tests.compiler.graph_scenarios import decode_state
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
 from vgraph.compiler.build import config_key
@@ -102,23 +103,13 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     assert engine.runner.compile_counters.graphs_seen <= 1, "traced once (or not at all: a warm start)"
 
 
-def _warm_kv(llm, prompts, n):
-    """Runs n prompts through prefill so their KV is cached; returns (runner, requests)."""
-    engine = llm.engine
-    for i in range(n):
-        engine.add_request(f"kv{i}", {"prompt_token_ids": prompts[i]},
-                           SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
-    engine.step()
-    return engine
-
-
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
     """The same batch with buckets on and off: the real rows agree (fp32, tight)."""
-    engine = _warm_kv(llm, prompts, 5)
+    engine = decode_state(llm, prompts, 5)
     try:
         if kind == "mixed":
-            engine.add_request("kv-new", {"prompt_token_ids": prompts[9]},
+            engine.add_request("s-new", {"prompt_token_ids": prompts[9]},
                                SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         sched = engine.scheduler.schedule()
         graphs = engine.runner.graphs
@@ -132,7 +123,7 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
         engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
     finally:
-        engine.abort_request([f"kv{i}" for i in range(5)] + ["kv-new"])
+        engine.abort_request([f"s{i}" for i in range(5)] + ["s-new"])
 
 
 def test_no_recompile_across_everything_above(llm):

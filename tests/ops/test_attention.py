@@ -182,6 +182,14 @@ SPLIT_KV_CASES = [
     pytest.param(torch.float32, 1, 7, 80, 32, [64, 65, 0, 7], 8, id="fp32-gqa7-d80-bs32-emptysplits"),
     pytest.param(torch.bfloat16, 1, 4, 128, 16, [70, 16, 0], 3, id="bf16-gqa4-d128-bs16"),
     pytest.param(torch.float16, 2, 4, 80, 16, [48, 49, 2], 2, id="fp16-gqa4-d80-bs16"),
+    # tiles spanning several cache blocks, split counts capped by the table (see test_attention_tiles)
+    pytest.param(torch.bfloat16, 2, 4, 128, 16, [2000, 64, 65, 1, 0, 640], 7,
+                 id="bf16-gqa4-d128-bs16-uneven-splits"),
+    pytest.param(torch.bfloat16, 1, 8, 64, 32, [3000, 129, 63], 16, id="bf16-gqa8-d64-bs32"),
+    pytest.param(torch.float16, 1, 3, 256, 128, [1000, 32, 33, 0], 5,
+                 id="fp16-gqa3-d256-bs128-tile32"),
+    pytest.param(torch.float16, 2, 1, 80, 48, [700, 48, 97], 64, id="fp16-mha-d80-bs48-capped"),
+    pytest.param(torch.float32, 1, 4, 64, 8, [500, 17, 16, 0], 6, id="fp32-gqa4-d64-bs8"),
 ]
 
 

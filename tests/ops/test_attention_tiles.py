@@ -13,11 +13,8 @@ import torch
 
 from tests.ops.test_attention import PAD, make_batch
 from tests.ops.tolerances import assert_close_rel
-from vgraph.ops.attention import (paged_attention_decode_split_kv_reference,
-                                  paged_attention_reference)
-from vgraph.ops.kernels.attention import (MIN_DOT, attention_tiles, effective_splits,
-                                          paged_attention_decode_split_kv_triton,
-                                          paged_attention_triton)
+from vgraph.ops.attention import paged_attention_reference
+from vgraph.ops.kernels.attention import MIN_DOT, attention_tiles, effective_splits, paged_attention_triton
 
 
 @pytest.mark.parametrize("group,max_query_len,head_dim,expected", [
@@ -103,25 +100,3 @@ def test_tiled_paged_attention_matches_reference(kernel_device: str, dtype, kv_h
 
 
 # (dtype, kv_heads, group, head_dim, block_size, seq_lens, num_splits)
-SPLIT_CASES = [
-    pytest.param(torch.bfloat16, 2, 4, 128, 16, [2000, 64, 65, 1, 0, 640], 7,
-                 id="bf16-gqa4-d128-bs16-uneven-splits"),
-    pytest.param(torch.bfloat16, 1, 8, 64, 32, [3000, 129, 63], 16, id="bf16-gqa8-d64-bs32"),
-    pytest.param(torch.float16, 1, 3, 256, 128, [1000, 32, 33, 0], 5,
-                 id="fp16-gqa3-d256-bs128-tile32"),
-    pytest.param(torch.float16, 2, 1, 80, 48, [700, 48, 97], 64, id="fp16-mha-d80-bs48-capped"),
-    pytest.param(torch.float32, 1, 4, 64, 8, [500, 17, 16, 0], 6, id="fp32-gqa4-d64-bs8"),
-]
-
-
-@pytest.mark.parametrize("dtype,kv_heads,group,head_dim,block_size,seq_lens,num_splits",
-                         SPLIT_CASES)
-def test_tiled_split_kv_matches_reference(kernel_device: str, dtype, kv_heads, group, head_dim,
-                                          block_size, seq_lens, num_splits):
-    specs = [PAD if n == 0 else (n - 1, 1) for n in seq_lens]
-    b = make_batch(specs, kv_heads, group, head_dim, block_size, dtype)
-    args = [b.q, b.k_cache, b.v_cache, b.block_table, b.seq_lens]
-    ref = paged_attention_decode_split_kv_reference(*args, b.scale, num_splits)
-    out = paged_attention_decode_split_kv_triton(*[t.to(kernel_device) for t in args], b.scale,
-                                                 num_splits)
-    assert_close_rel(out, ref)
