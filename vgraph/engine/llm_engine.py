@@ -51,6 +51,11 @@ class _Group:
     def finished(self) -> bool:
         return all(s.request.status.finished for s in self.sequences)
 
+    @property
+    def finish_reasons(self) -> list[str]:
+        """One per sequence; "abort" for a sequence not finished by itself (it is being aborted)."""
+        return [s.request.finish_reason or "abort" for s in self.sequences]
+
 
 class LLMEngine:
     """Resolves the configuration once, starts a runner and a scheduler over its KV cache,
@@ -115,7 +120,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else list(dict.fromkeys(request_ids))
         groups = [self._groups[rid] for rid in ids if rid in self._groups]
         # A sequence of an n > 1 request that already stopped keeps its own reason.
-        reasons = [[s.request.finish_reason or "abort" for s in g.sequences] for g in groups]
+        reasons = [g.finish_reasons for g in groups]
         self.scheduler.abort_requests([s.request.request_id for g in groups for s in g.sequences])
         for group in groups:
             self._forget(group.request_id)
@@ -185,13 +190,13 @@ class LLMEngine:
                 itl = now - group.last_token
             group.last_token = now
         queue_time = None
-        if first_scheduled and group.first_scheduled is not None:
+        if first_scheduled:
             queue_time = max(0.0, group.first_scheduled - group.arrival)
         finished = group.finished
         return RequestTiming(
             group.request_id, len(group.prompt_token_ids), num_new_tokens, ttft, itl, queue_time,
             e2e_latency=now - group.arrival if finished else None,
-            finish_reasons=[s.request.finish_reason or "abort" for s in group.sequences] if finished else [])
+            finish_reasons=group.finish_reasons if finished else [])
 
     def _detokenize(self, group: _Group, req: Request) -> None:
         seq = next(s for s in group.sequences if s.request is req)

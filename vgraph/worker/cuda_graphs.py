@@ -170,8 +170,10 @@ class GraphRunner:
     """Runs built batches on the dispatcher's path, and captures the graphs it replays."""
 
     def __init__(self, forward: Forward, kv_caches: Sequence, softmax_scale: float, builder: BatchBuilder,
-                 mode: CudaGraphMode, buckets: Buckets, min_tokens: int) -> None:
+                 mode: CudaGraphMode, buckets: Buckets, min_tokens: int,
+                 weights: Sequence[torch.Tensor] = ()) -> None:
         self.forward_fn = forward
+        self.weights = list(weights)  # the model's parameters and buffers: FULL graphs read them in place
         self.kv_caches = kv_caches
         self.softmax_scale = softmax_scale
         self.builder = builder
@@ -262,7 +264,7 @@ class GraphRunner:
     def _persistent(self) -> list[torch.Tensor]:
         """What a FULL graph reads in place: the decode buffers, the KV caches, the weights."""
         caches = [t for layer in self.kv_caches for t in layer]
-        return self.decode_buffers.tensors() + caches + _model_state(self.forward_fn)
+        return self.decode_buffers.tensors() + caches + self.weights
 
     def _capture_pieces(self, num_tokens: int, dummies: DummySource) -> None:
         """Warm-up then capture, each over a fresh dummy batch: a piece tells weights from
@@ -271,15 +273,6 @@ class GraphRunner:
             sched = dummies.prefill(num_tokens)
             decision = Decision(Path.PIECEWISE, num_tokens, sched.num_batched_tokens)
             self._forward(self.builder.build(sched, decision), phase)
-
-
-def _model_state(forward: Forward) -> list[torch.Tensor]:
-    """Parameters and buffers of the model behind ``forward``: the eager module itself, or
-    the module a ``CompiledForward`` compiled (its ``model``)."""
-    module = forward if isinstance(forward, torch.nn.Module) else getattr(forward, "model", None)
-    if not isinstance(module, torch.nn.Module):
-        return []
-    return [*module.parameters(), *module.buffers()]
 
 
 @contextlib.contextmanager

@@ -79,7 +79,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         forward, self.compile_counters, self.compile_cache = self._compiled_forward()
         self.graphs = GraphRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
-                                  config.compile.cudagraph_mode, buckets, min_tokens)
+                                  config.compile.cudagraph_mode, buckets, min_tokens,
+                                  weights=[*m.parameters(), *m.buffers()])
         self._warm_up()
         t3 = time.perf_counter()
         if self.compile_counters is not None:
