@@ -120,3 +120,126 @@ def test_from_request_takes_sampling_params(tokenizer):
     detok = IncrementalDetokenizer.from_request(tokenizer, request)
     assert detok.update(tokenizer.encode(" lazy fox jumps")) == "fox"
     assert detok.output_text == " lazy fox"
+
+
+# ---------------------------------------------------------------- multi-byte characters split across tokens
+
+MULTIBYTE = ["日本語 🙂 ok", "é🙂日", "🙂🙂 über 日本", "a\u00e9\u4e2d\U0001f600z"]
+
+
+def _byte_token_ids(tokenizer, text: str) -> list[int]:
+    """One token per UTF-8 byte (the byte-level alphabet's single-byte tokens): every multi-byte
+    character is split, as a model may emit it."""
+    byte_chars = _bytes_to_unicode()
+    return tokenizer.convert_tokens_to_ids([byte_chars[b] for b in text.encode("utf-8")])
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _mixed_token_ids(tokenizer, text: str, seed: int) -> list[int]:
+    """Words tokenized normally, some characters as single-byte tokens, chosen by ``seed``."""
+    import random
+    rng, ids = random.Random(seed), []
+    for ch in text:
+        ids += _byte_token_ids(tokenizer, ch) if rng.random() < 0.5 else tokenizer.encode(ch)
+    return ids
+
+
+@pytest.mark.parametrize("text", MULTIBYTE)
+@pytest.mark.parametrize("split", ["bytes", "mixed0", "mixed1"])
+def test_split_characters_never_show_a_replacement_char(tokenizer, text, split):
+    ids = _byte_token_ids(tokenizer, text) if split == "bytes" else _mixed_token_ids(tokenizer, text, int(split[-1]))
+    assert tokenizer.decode(ids) == text
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "some token must hold a partial character"
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("hello"), skip_special_tokens=True)
+    texts, deltas, _ = _feed(detok, ids)
+    assert all("\ufffd" not in t and text.startswith(t) for t in texts), texts
+    assert all("\ufffd" not in d for d in deltas) and "".join(deltas) == text == detok.output_text
+
+
+def test_a_character_completed_in_a_multi_token_update(tokenizer):
+    """Several tokens in one update (a partial character completed inside it) give the same text."""
+    ids = _byte_token_ids(tokenizer, "🙂日")
+    detok = IncrementalDetokenizer(tokenizer, [])
+    detok.update(ids[:2])
+    assert detok.output_text == ""
+    detok.update(ids[2:5])  # completes 🙂, starts 日
+    assert detok.output_text == "🙂"
+    detok.update(ids[5:])
+    assert detok.output_text == "🙂日"
+
+
+def test_stop_string_made_of_split_bytes(tokenizer):
+    ids = _byte_token_ids(tokenizer, "ab🙂cd")
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["🙂"])
+    texts, deltas, matched = _feed(detok, ids)
+    assert matched == "🙂" and detok.output_text == "ab" and "".join(deltas) == "ab"
+    assert all("\ufffd" not in t for t in texts)
+
+
+# ---------------------------------------------------------------- many stop strings, long outputs
+
+def _reference_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Brute force: the earliest stop occurrence (first listed on a tie) over the whole text."""
+    found = [(text.find(s), i, s) for i, s in enumerate(stops) if s and s in text]
+    if not found:
+        return text, None
+    index, _, stop = min(found)
+    return text[:index], stop
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_stop_strings_match_the_brute_force_answer(tokenizer, seed):
+    import random
+    rng = random.Random(seed)
+    words = ["the", "lazy", "café", "fox", "日本", "jumps", " ", "héllo", "🙂"]
+    text = "".join(rng.choice(words) for _ in range(200))
+    stops = ["".join(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(64)]
+    stops = [s for s in stops if text.count(s) < 2][:64] + ["xyz" * 5]  # some match late, some never
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stops)
+    _feed(detok, tokenizer.encode(text))
+    expected_text, expected_stop = _reference_stop(text, stops)
+    assert (detok.output_text, detok.stop_reason) == (expected_text, expected_stop)
+
+
+class _RecordingPattern:
+    """Wraps the compiled stop pattern, recording how many characters each search may scan."""
+
+    def __init__(self, pattern) -> None:
+        self.pattern, self.scanned = pattern, []
+
+    def search(self, text: str, pos: int = 0):
+        self.scanned.append(len(text) - pos)
+        return self.pattern.search(text, pos)
+
+
+def test_stop_search_scans_only_new_text_plus_lookback(tokenizer):
+    """64 stop strings that never match, a long output: each update searches the text it added
+    plus (longest stop - 1) characters, never the whole output again (which is quadratic)."""
+    stops = [f"<never {i:02d}>" for i in range(64)]
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stops)
+    detok._stop_pattern = recorder = _RecordingPattern(detok._stop_pattern)
+    ids = tokenizer.encode(" ".join(TEXTS) * 40)
+    added = []
+    for token_id in ids:
+        before = len(detok.output_text)
+        assert detok.update([token_id]) is None
+        added.append(len(detok.output_text) - before)
+    longest = max(map(len, stops))
+    assert len(detok.output_text) > 50 * longest
+    assert recorder.scanned == [n + min(longest - 1, done) for n, done in
+                                zip(added, _running_totals(added)) if n]
+
+
+def _running_totals(values: list[int]) -> list[int]:
+    """Text length before each update."""
+    totals, total = [], 0
+    for v in values:
+        totals.append(total)
+        total += v
+    return totals

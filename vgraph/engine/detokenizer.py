@@ -15,10 +15,17 @@ Decoding goes through ``tokenizer.decode`` (with ``clean_up_tokenization_spaces=
 the pieces concatenate), which works for any Hugging Face tokenizer, special/added tokens
 included. The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False)``, except that the prompt's last tokens serve as context
-for the first output token (e.g. its leading space is kept, as in vLLM).
+for the first output token (e.g. its leading space is kept, as in vLLM), and that bytes of a
+character the output never completes stay held back (no trailing U+FFFD).
+
+Stop strings are found with one regular expression (the strings escaped, in the caller's
+order) searched only over the text added by the latest update plus the longest stop string's
+length of lookback: the older text had no match, so an update costs the same however long
+the output already is and however many stop strings there are.
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -51,6 +58,7 @@ class IncrementalDetokenizer:
         self.sent_offset = 0
         self.stop_reason: Optional[str] = None
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
+        self._stop_pattern = _stop_pattern(self.stop)
 
     @classmethod
     def from_request(cls, tokenizer: Any, request: "Request") -> "IncrementalDetokenizer":
@@ -110,19 +118,25 @@ class IncrementalDetokenizer:
         """Finds the earliest stop string that ends in the new text and truncates there.
 
         A match must overlap the new text (the old text had none), so the search starts
-        ``len(stop) - 1`` characters before it. Earliest start wins; on a tie, the first listed.
+        ``max stop length - 1`` characters before it. Earliest start wins; on a tie, the first
+        listed (a regex alternation tries its branches in order at each position).
         """
-        best: Optional[tuple[int, str]] = None
-        for stop in self.stop:
-            start = max(0, previous_len - len(stop) + 1)
-            index = self.output_text.find(stop, start)
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        if best is None:
+        if self._stop_pattern is None or len(self.output_text) == previous_len:
             return None
-        index, stop = best
-        cut = index + len(stop) if self.include_stop_str_in_output else index
+        start = max(0, previous_len - self._max_stop_len + 1)
+        match = self._stop_pattern.search(self.output_text, start)
+        if match is None:
+            return None
+        stop = match.group()
+        cut = match.end() if self.include_stop_str_in_output else match.start()
         self.output_text = self.output_text[:cut]
         self.sent_offset = min(self.sent_offset, cut)
         self.stop_reason = stop
         return stop
+
+
+def _stop_pattern(stops: Sequence[str]) -> Optional[re.Pattern[str]]:
+    """One alternation of the escaped stop strings, in the caller's order; None without any."""
+    if not stops:
+        return None
+    return re.compile("|".join(re.escape(s) for s in stops))
