@@ -12,12 +12,18 @@ import functools
 import os
 import shutil
 import tempfile
+import unicodedata
+import uuid
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
 
 DEMO_MODEL_NAME = "demo-model-v1"
+# Bumped whenever the demo checkpoint's files change: a copy an older vgraph built under the
+# cache dir is then rebuilt instead of reused (2: unreadable tokens suppressed).
+DEMO_BUILD = "2"
+_BUILD_FILE = "vgraph-demo-build.txt"
 TOKENIZER_VOCAB_SIZE = 512
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -209,25 +215,92 @@ def save_tokenizer_files(out: Path, tokenizer: Any) -> None:
     tokenizer.save_pretrained(out)
 
 
+def build_demo_checkpoint(path: str | os.PathLike) -> str:
+    """The demo model's files: the tiny seed-0 Llama, made to write only readable text
+    (``_suppress_unreadable_tokens``), plus a file naming its build. Returns the directory."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = random_model("llama", tokenizer, 0, {})
+    _suppress_unreadable_tokens(model, unreadable_token_ids(tokenizer))
+    with _quiet_progress_bars():
+        model.save_pretrained(out)
+    save_tokenizer_files(out, tokenizer)
+    (out / _BUILD_FILE).write_text(DEMO_BUILD + "\n", encoding="utf-8")
+    return str(out)
+
+
+def unreadable_token_ids(tokenizer: Any) -> list[int]:
+    """Tokens whose text alone is not readable: a control character (newline and tab aside)
+    or bytes that are not a whole UTF-8 character (decoded as U+FFFD). In the demo vocabulary
+    these are single bytes of the byte-level alphabet; special tokens are left alone."""
+    special = set(tokenizer.all_special_ids)
+    return [i for i in range(len(tokenizer)) if i not in special and not _readable(
+        tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False))]
+
+
+def _readable(text: str) -> bool:
+    return "\ufffd" not in text and all(c in "\n\t" or unicodedata.category(c) != "Cc" for c in text)
+
+
+@torch.no_grad()
+def _suppress_unreadable_tokens(model: Any, token_ids: list[int], margin: float = 100.0) -> None:
+    """Gives ``token_ids`` a logit far below every other token's at every position.
+
+    Why: untrained, the model samples its 512 tokens almost uniformly, and about 160 of them
+    are single bytes that are not text by themselves (control bytes, pieces of multi-byte
+    characters that random sampling never completes): its output was full of \\x00..\\x1f
+    and U+FFFD. How: residual dimension 0 is held constant (1.0 in every embedding, and no
+    layer writes it: row 0 of each o_proj and down_proj is zero), so after the final norm it
+    is positive (about 1) at every position; each suppressed token's lm_head row is
+    ``-margin`` there and 0 elsewhere, a logit near -100 where the others lie within a few
+    units of 0. A plain Llama checkpoint still, so transformers runs it unchanged.
+    """
+    inner = model.model
+    inner.embed_tokens.weight[:, 0] = 1.0
+    for layer in inner.layers:
+        layer.self_attn.o_proj.weight[0] = 0.0
+        layer.mlp.down_proj.weight[0] = 0.0
+    inner.norm.weight[0] = 1.0
+    model.lm_head.weight[token_ids] = 0.0
+    model.lm_head.weight[token_ids, 0] = -margin
+
+
+def _is_current(target: Path) -> bool:
+    build = target / _BUILD_FILE
+    return build.is_file() and build.read_text(encoding="utf-8").strip() == DEMO_BUILD
+
+
 def ensure_demo_model(cache_dir: str | os.PathLike) -> str:
-    """``<cache_dir>/demo-model-v1``, built on first use and reused after.
+    """``<cache_dir>/demo-model-v1``, built on first use and reused after (rebuilt when an
+    older vgraph built it: see ``DEMO_BUILD``).
 
     Built in a temporary sibling directory and renamed into place, so a crash never leaves a
     half-written model and concurrent first users end up with one complete copy.
     """
     cache = Path(cache_dir)
     target = cache / DEMO_MODEL_NAME
-    if (target / "config.json").is_file():
+    if _is_current(target):
         return str(target)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=cache))
     try:
-        build_tiny_checkpoint(tmp, "llama", seed=0)
+        build_demo_checkpoint(tmp)
+        _replace_stale(target, cache)
         os.rename(tmp, target)
     except OSError:
-        if not (target / "config.json").is_file():  # lost a race only if the winner finished
+        if not _is_current(target):  # lost a race only if the winner finished
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
 
+
+def _replace_stale(target: Path, cache: Path) -> None:
+    """Moves an out-of-date build aside (then deletes it), so the new one can be renamed in."""
+    if not target.exists() or _is_current(target):
+        return
+    stale = cache / f".{DEMO_MODEL_NAME}-stale-{uuid.uuid4().hex[:8]}"
+    with contextlib.suppress(FileNotFoundError):  # another process moved it first
+        os.rename(target, stale)
+    shutil.rmtree(stale, ignore_errors=True)
