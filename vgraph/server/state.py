@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Request
@@ -36,10 +36,29 @@ class ServerSettings:
     # After a fatal engine error the port stays open this long, answering 503, so that health
     # checkers and clients see why before the process exits.
     fatal_exit_grace_s: float = 2.0
+    # Slow, stalled and excess connections each hold a descriptor; see connections.py.
+    header_timeout: float = field(default=10.0, metadata={
+        "help": "seconds a client may take to send a request's headers before the connection is closed"})
+    body_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a client may take to send a request body (plus 1 s per 64 KiB received)"})
+    stall_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a response may wait on a client that stopped reading before the connection "
+                "is dropped and its request aborted"})
+    keep_alive_timeout: float = field(default=5.0, metadata={
+        "help": "seconds an idle keep-alive connection stays open"})
+    max_connections: Optional[int] = field(default=None, metadata={
+        "help": "open connections at most (default and ceiling: what the descriptor limit allows); "
+                "over it, the connection waiting longest for its request headers is closed, or the "
+                "new one gets 503"})
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        for name in ("header_timeout", "body_timeout", "stall_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
 
 
 class ServerState:
