@@ -73,7 +73,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(load_generation_config(path))
         torch.manual_seed(self.config.model.seed)
         self.runner = ModelRunner(self.config)
-        self.max_model_len = self.config.max_model_len
+        # The limit requests are checked against: the configured one, or the KV cache's
+        # capacity when that is smaller (the runner warns). /v1/models reports this one.
+        self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len)

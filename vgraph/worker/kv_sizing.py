@@ -112,6 +112,26 @@ def _capped(blocks: int, max_useful_blocks: int | None) -> int:
     return max_useful_blocks
 
 
+def usable_max_model_len(max_model_len: int, num_blocks: int, block_size: int, device: torch.device) -> int:
+    """The longest sequence the KV cache can hold, warning when it is below ``max_model_len``.
+
+    Why: a sequence alone must fit in the pool (else preemption could never make room), so
+    the scheduler ends generation at the pool's capacity. Without this limit a request that
+    asked for more came back cut short with finish reason "length" and no explanation; with
+    it, the engine rejects such requests up front and reports the real limit.
+    """
+    capacity = num_blocks * block_size
+    if capacity >= max_model_len:
+        return max_model_len
+    knob = "--kv-cache-gib (cpu_kv_cache_gib)" if device.type == "cpu" else "--gpu-memory-utilization"
+    logger.warning("the KV cache holds %d tokens (%d blocks of %d), fewer than max_model_len %d: "
+                   "sequences (prompt + output) are limited to %d tokens and longer requests are "
+                   "rejected; raise %s or --num-gpu-blocks for the full length, or set "
+                   "--max-model-len %d", capacity, num_blocks, block_size, max_model_len, capacity,
+                   knob, capacity)
+    return capacity
+
+
 def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     return [(torch.zeros(shape, dtype=spec.dtype, device=device),

@@ -6,8 +6,9 @@ Its startup is one story, told in ``__init__``: load the model, profile the larg
 capture CUDA graphs. Profiling and warm-up run dummy requests through the real step (batch
 builder, dispatcher, forward, sampler); capture builds its batches with the same builder
 (dummy prefills for PIECEWISE buckets, all-padding batches for FULL ones).
-The engine reads what it needs from ``num_blocks`` and ``startup``; nothing outside this
-package changes a runner.
+The engine reads what it needs from ``num_blocks``, ``max_model_len`` (lowered to the KV
+cache's capacity when that is smaller) and ``startup``; nothing outside this package changes
+a runner.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
-from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for
+from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for, usable_max_model_len
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
 
@@ -75,6 +76,9 @@ class ModelRunner:
         profile = self._profile_memory()
         reserve = self._graph_reserve(profile, buckets)
         self.num_blocks = self._plan_blocks(profile, reserve)
+        # What a sequence may really reach: max_model_len, or less when the KV cache is smaller.
+        self.max_model_len = usable_max_model_len(config.max_model_len, self.num_blocks, self.spec.block_size,
+                                                  self.device)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device)
         t2 = time.perf_counter()
         forward, self.compile_counters, self.compile_cache = self._compiled_forward()
