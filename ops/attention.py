@@ -212,3 +212,38 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens
     _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
     return cpu_attention.paged_attention_decode_split_kv_cpu(q, k_cache, v_cache, block_table,
                                                              seq_lens, softmax_scale, num_splits)
+
+
+# ------------------------------------------------------------------ into a caller's buffer
+# Not ops of their own: ``vgraph::unified_attention`` calls these from inside its kernel when
+# the forward context holds a persistent output buffer for the layer (PIECEWISE CUDA graphs;
+# see vgraph/compiler/piecewise_graphs.py), so its schema, and every cached graph, stay as
+# they are. On CUDA the Triton kernel writes the buffer itself, which saves the copy into the
+# next piece's staging buffer; elsewhere the op's result is copied in (no graphs to save on).
+
+
+def paged_attention_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+                         max_query_len: int, softmax_scale: float) -> Tensor:
+    """``vgraph::paged_attention`` written into ``out`` (shaped like ``q``); returns ``out``."""
+    _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                           max_query_len)
+    if q.is_cuda:
+        return kernels.paged_attention_triton(q, k_cache, v_cache, block_table, query_start_loc,
+                                              seq_lens, max_query_len, softmax_scale, out=out)
+    return out.copy_(torch.ops.vgraph.paged_attention(q, k_cache, v_cache, block_table,
+                                                      query_start_loc, seq_lens, max_query_len,
+                                                      softmax_scale))
+
+
+def paged_attention_decode_split_kv_into(out: Tensor, q: Tensor, k_cache: Tensor,
+                                         v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
+                                         softmax_scale: float, num_splits: int) -> Tensor:
+    """``vgraph::paged_attention_decode_split_kv`` written into ``out``; returns ``out``."""
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+    if q.is_cuda:
+        return kernels.paged_attention_decode_split_kv_triton(q, k_cache, v_cache, block_table,
+                                                              seq_lens, softmax_scale, num_splits,
+                                                              out=out)
+    return out.copy_(torch.ops.vgraph.paged_attention_decode_split_kv(
+        q, k_cache, v_cache, block_table, seq_lens, softmax_scale, num_splits))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -36,6 +36,17 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+class PiecewiseHooks(Protocol):
+    """What the attention op asks of the PIECEWISE graphs a forward runs through (the rest of
+    ``vgraph.compiler.piecewise_graphs.PiecewiseRun`` is for the compiled pieces)."""
+
+    def attention_output(self, layer_idx: int, shape: torch.Size, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+        """Where layer ``layer_idx`` writes its attention output this call: the same address
+        on every call of a token count, so the next piece's graph reads it in place."""
+        ...
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
@@ -43,8 +54,9 @@ class ForwardContext:
     softmax_scale: float
     # How this forward's compiled pieces run: None plainly, else the PIECEWISE CUDA graphs and
     # the phase they are in (``vgraph.compiler.piecewise_graphs.PiecewiseRun``), chosen by the
-    # runner's dispatcher for this batch. Typed loosely: ops do not import the runtime.
-    piecewise: Optional[Any] = None
+    # runner's dispatcher for this batch. Typed by what ops use of it: ops do not import the
+    # runtime.
+    piecewise: Optional[PiecewiseHooks] = None
     # Host-side work a kernel derives from the metadata, kept for the other layers of this
     # forward (the metadata cannot change within one); emptied on every entry and exit of
     # ``set_forward_context``. See ``metadata_memo``.

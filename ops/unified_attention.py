@@ -4,16 +4,19 @@ The model passes only ``q, k, v`` and its layer index; everything that changes p
 (block tables, sequence lengths, slots) and the KV caches come from the forward context, so
 one captured graph serves every batch. The op writes the new K/V into the layer's cache and
 attends over it, choosing the split-KV decode kernel for pure-decode batches when the
-metadata asks for it.
+metadata asks for it. Under PIECEWISE CUDA graphs it writes each layer's output into a
+persistent buffer the graphs provide, so the next piece's graph reads it where it lies.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import attention as _attention  # noqa: F401  (registers the ops called below)
-from . import kv_cache as _kv_cache  # noqa: F401
-from .forward_context import AttentionMetadata, get_forward_context
+from . import kv_cache as _kv_cache  # noqa: F401  (registers the cache write called below)
+from .attention import paged_attention_decode_split_kv_into, paged_attention_into
+from .forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from .registration import vgraph_op
 
 
@@ -36,21 +39,42 @@ def _write_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-            softmax_scale: float) -> Tensor:
+            softmax_scale: float, out: Optional[Tensor]) -> Tensor:
+    """The attention of every row of ``q``, written into ``out`` when one is given."""
     if meta.max_query_len == 1 and meta.num_kv_splits > 1:
-        # Pure decode: query row i is sequence i's only new token.
-        num_seqs = meta.num_seqs
-        if num_seqs > q.shape[0]:
-            raise ValueError(f"decode batch has {num_seqs} sequences but only {q.shape[0]} rows")
-        out = torch.ops.vgraph.paged_attention_decode_split_kv(
-            q[:num_seqs], k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale,
+        return _attend_decode_split_kv(q, k_cache, v_cache, meta, softmax_scale, out)
+    args = (q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
+            meta.max_query_len, softmax_scale)
+    if out is not None:
+        return paged_attention_into(out, *args)
+    return torch.ops.vgraph.paged_attention(*args)
+
+
+def _attend_decode_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                            softmax_scale: float, out: Optional[Tensor]) -> Tensor:
+    """Pure decode: query row i is sequence i's only new token; rows past the sequences
+    (bucket padding) are zeros."""
+    num_seqs = meta.num_seqs
+    if num_seqs > q.shape[0]:
+        raise ValueError(f"decode batch has {num_seqs} sequences but only {q.shape[0]} rows")
+    args = (q[:num_seqs], k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale,
             meta.num_kv_splits)
-        if num_seqs == q.shape[0]:
-            return out
-        return torch.cat([out, q.new_zeros((q.shape[0] - num_seqs, *q.shape[1:]))])
-    return torch.ops.vgraph.paged_attention(q, k_cache, v_cache, meta.block_table,
-                                            meta.query_start_loc, meta.seq_lens,
-                                            meta.max_query_len, softmax_scale)
+    if out is not None:
+        paged_attention_decode_split_kv_into(out[:num_seqs], *args)
+        out[num_seqs:].zero_()
+        return out
+    decoded = torch.ops.vgraph.paged_attention_decode_split_kv(*args)
+    if num_seqs == q.shape[0]:
+        return decoded
+    return torch.cat([decoded, q.new_zeros((q.shape[0] - num_seqs, *q.shape[1:]))])
+
+
+def _output_buffer(ctx: ForwardContext, layer_idx: int, q: Tensor) -> Optional[Tensor]:
+    """The layer's persistent output buffer under PIECEWISE graphs, else None (a new tensor):
+    the piece after attention then reads the output in place instead of staging a copy."""
+    if ctx.piecewise is None:
+        return None
+    return ctx.piecewise.attention_output(layer_idx, q.shape, q.dtype, q.device)
 
 
 # mutates_args=() is deliberate: the op does write this layer's KV cache, but the cache is
@@ -72,7 +96,7 @@ def unified_attention(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     meta = ctx.attn_metadata
     _write_cache(k, v, k_cache, v_cache, meta)
-    return _attend(q, k_cache, v_cache, meta, ctx.softmax_scale)
+    return _attend(q, k_cache, v_cache, meta, ctx.softmax_scale, _output_buffer(ctx, layer_idx, q))
 
 
 @unified_attention.register_fake

@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -293,16 +294,29 @@ def _check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have identical strides")
 
 
+def _zeroed_output(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Zeros shaped like ``q``: a new tensor, or ``out`` cleared (the kernels write only the
+    rows of real sequences; padding rows must read as zeros)."""
+    if out is None:
+        return q.new_zeros(q.shape)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"attention output {tuple(out.shape)} {out.dtype} on {out.device} does not "
+                         f"match q {tuple(q.shape)} {q.dtype} on {q.device}")
+    return out.zero_()
+
+
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, max_query_len: int,
-                           softmax_scale: float) -> torch.Tensor:
+                           softmax_scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal paged attention for a flat batch of variable-length queries; see module doc.
 
     Rows of ``q`` outside every sequence (and rows of padding sequences) come back as zeros.
+    ``out``: a tensor shaped like ``q`` to write the result into (and return), so a caller
+    that keeps its output at one address (PIECEWISE graphs) needs no copy afterwards.
     """
     _check_same_layout(k_cache, v_cache)
-    out = q.new_zeros(q.shape)
+    out = _zeroed_output(q, out)
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return out
@@ -355,14 +369,16 @@ def wave_efficient_splits(programs: int, slots: int, max_splits: int) -> int:
 def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tensor,
                                            v_cache: torch.Tensor, block_table: torch.Tensor,
                                            seq_lens: torch.Tensor, softmax_scale: float,
-                                           num_splits: int) -> torch.Tensor:
+                                           num_splits: int,
+                                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention (one query token per sequence) split over the KV length; see module doc.
 
-    ``num_splits`` is capped by the key tiles the block table can hold.
+    ``num_splits`` is capped by the key tiles the block table can hold. ``out`` as in
+    ``paged_attention_triton``.
     """
     _check_same_layout(k_cache, v_cache)
     num_seqs, num_q_heads, head_dim = q.shape
-    out = q.new_zeros(q.shape)
+    out = _zeroed_output(q, out)
     if num_seqs == 0:
         return out
     group = num_q_heads // k_cache.shape[2]

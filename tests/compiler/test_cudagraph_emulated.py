@@ -152,6 +152,27 @@ def test_the_gpu_replay_test_runs_on_its_path_and_replays(gpu_configured, kind, 
                         expected_bucket=bucket)
 
 
+def test_pieces_read_each_layers_attention_output_in_place(emulated, prompts):
+    """The attention op writes into its layer's persistent buffer, which the next piece's
+    graph reads where it lies: replays stage only the forward's own inputs (input ids and
+    positions), never an attention output (one copy per layer per step otherwise)."""
+    llm, _ = emulated
+    graphs = llm.engine.runner.graphs
+    pieces = graphs.piecewise_graphs
+    staged = [t for _, p in pieces._pieces.values() for t in p._staging._shared.values()]
+    assert [t.dtype for t in staged] == [torch.int64, torch.int64], "input ids and positions only"
+    layers = llm.engine.runner.model.num_layers
+    buffers = {t.data_ptr() for t in pieces._attention_outputs._shared.values()}
+    read = {e.inputs[i].data_ptr() for _, p in pieces._pieces.values() for e in p.graphs.values() for i in e.copied}
+    assert len(buffers) == layers and buffers <= read
+    graphs.dispatch_counts.clear()
+    copies = pieces.staged_copies
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:3]] * 2, params, use_tqdm=False)
+    forwards = sum(n for (path, _), n in graphs.dispatch_counts.items() if path is Path.PIECEWISE)
+    assert forwards > 0 and pieces.staged_copies - copies == 2 * forwards
+
+
 def test_every_graph_is_recorded_under_the_capture_safety_check(emulated):
     graphs = emulated[0].engine.runner.graphs
     pieces = [e.graph for _, p in graphs.piecewise_graphs._pieces.values() for e in p.graphs.values()]

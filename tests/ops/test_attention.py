@@ -218,6 +218,26 @@ def test_split_kv_more_splits_than_blocks_has_no_nan(kernel_device: str):
     assert_close_rel(out, ref)
 
 
+def test_triton_kernels_write_into_a_callers_buffer(kernel_device: str):
+    """``out=``: the kernels fill the buffer the caller keeps (PIECEWISE graphs' attention
+    outputs) and return it; whatever it held before, padding rows come back as zeros."""
+    b = make_batch(MIXED, 2, 2, 64, 16, torch.float32, extra_rows=3)
+    args = b.attention_args(kernel_device)
+    out = torch.full_like(args[0], float("nan"))
+    assert paged_attention_triton(*args, out=out) is out
+    assert_close_rel(out, paged_attention_reference(*b.attention_args()))
+    assert torch.equal(out[b.query_start_loc[-1].item():].cpu(), torch.zeros(3, *out.shape[1:]))
+
+    d = make_batch([(30, 1), PAD, (0, 1)], 1, 4, 64, 16, torch.float32)
+    split_args = [t.to(kernel_device) for t in (d.q, d.k_cache, d.v_cache, d.block_table, d.seq_lens)]
+    split_out = torch.full_like(split_args[0], float("nan"))
+    assert paged_attention_decode_split_kv_triton(*split_args, d.scale, 3, out=split_out) is split_out
+    assert_close_rel(split_out, paged_attention_decode_split_kv_reference(
+        d.q, d.k_cache, d.v_cache, d.block_table, d.seq_lens, d.scale, 3))
+    with pytest.raises(ValueError, match="does not match q"):
+        paged_attention_triton(*args, out=out[:-1])
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])]
 

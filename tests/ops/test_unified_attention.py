@@ -84,6 +84,38 @@ def test_opcheck_inside_forward_context(device, specs, num_kv_splits):
         torch.library.opcheck(torch.ops.vgraph.unified_attention.default, args)
 
 
+class _OutputBuffers:
+    """The PIECEWISE graphs' side of the forward context: one persistent buffer per layer,
+    filled with NaN so a row the op fails to write shows."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows, self.buffers = rows, {}
+
+    def attention_output(self, layer_idx, shape, dtype, device):
+        if layer_idx not in self.buffers:
+            self.buffers[layer_idx] = torch.full((self.rows, *shape[1:]), float("nan"), dtype=dtype, device=device)
+        return self.buffers[layer_idx][:shape[0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("specs,num_kv_splits", [(MIXED, 1), (DECODE, 3)])
+def test_writes_into_the_piecewise_graphs_buffer(device, specs, num_kv_splits):
+    """Under PIECEWISE graphs the op returns the layer's persistent buffer, holding exactly
+    what it returns without one (padding rows zero), so the next piece reads it in place."""
+    b = make_batch(specs, 2, 4, 80, 16, torch.float32, extra_rows=3)
+    q, k, v = b.q.to(device), _pad_rows(b.k, 3).to(device), _pad_rows(b.v, 3).to(device)
+    with set_forward_context(_context(b, device, num_kv_splits)):
+        expected = torch.ops.vgraph.unified_attention(q, k, v, 1)
+    buffers = _OutputBuffers(rows=q.shape[0] + 5)
+    ctx = _context(b, device, num_kv_splits)
+    ctx.piecewise = buffers
+    with set_forward_context(ctx):
+        out = torch.ops.vgraph.unified_attention(q, k, v, 1)
+    assert out.data_ptr() == buffers.buffers[1].data_ptr() and out.shape == q.shape
+    assert list(buffers.buffers) == [1]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
 def test_compiles_as_one_opaque_call():
     """Dynamo traces through the fake impl with a dynamic token count; results match eager."""
     b = make_batch(MIXED, 1, 2, 64, 16, torch.float32)

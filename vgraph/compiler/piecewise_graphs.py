@@ -6,10 +6,12 @@ The split graph runs as usual and each ``PieceRunner`` (piece.py) hands its call
 set by the worker's graph runner), which captures or replays that piece's graph for the
 call's token count. Attention runs eagerly between the pieces, so mixed prefill/decode
 batches are served. A piece's inputs are either weights (same tensor every call), the
-previous piece's graph outputs (same address on every replay), or fresh tensors (the
-attention output, the padded input ids), which are copied into persistent staging buffers
-before replay. Outputs are copied, inside the graph, into persistent output buffers, so
-nothing a graph allocated stays alive after capture.
+previous piece's graph outputs (same address on every replay), the attention output (which
+the attention op writes into a persistent per-layer buffer it gets from here, so it too has
+one address per token count), or fresh tensors (the padded input ids and positions), which
+are copied into persistent staging buffers before replay. Outputs are copied, inside the
+graph, into persistent output buffers, so nothing a graph allocated stays alive after
+capture.
 
 Every graph of an engine shares one memory pool and is captured largest first: scratch of
 smaller captures fits in what the larger ones freed, so the pool costs about one forward's
@@ -46,6 +48,17 @@ class _Buffers:
             return buf[:template.shape[0]]
         new = _empty_like_layout(template)
         if buf is None and template.dim() > 0:
+            self._shared[slot] = new
+        return new
+
+    def rows(self, slot: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous tensor of ``shape``: the slot's leading rows when they fit."""
+        buf = self._shared.get(slot)
+        if (buf is not None and buf.dtype == dtype and buf.device == device
+                and buf.shape[1:] == shape[1:] and buf.shape[0] >= shape[0]):
+            return buf[:shape[0]]
+        new = torch.empty(shape, dtype=dtype, device=device)
+        if buf is None:
             self._shared[slot] = new
         return new
 
@@ -114,6 +127,7 @@ class PieceGraphs:
         self._staging, self._outs = _Buffers(), _Buffers()
         self._out_views: dict[int, list] = {}
         self._warm_args: dict[int, tuple] = {}
+        self.staged_copies = 0  # per-call inputs copied into staging buffers by replays
 
     def warm_up(self, num_tokens: int, fn: Callable, args: Sequence) -> list:
         """Runs the piece plainly and prepares the output buffers of ``num_tokens`` (they must
@@ -174,6 +188,7 @@ class PieceGraphs:
             static, arg = entry.inputs[i], args[i]
             if arg.data_ptr() != static.data_ptr():
                 static.copy_(arg)
+                self.staged_copies += 1
         entry.graph.replay()
         return entry.outputs
 
@@ -190,6 +205,7 @@ class PiecewiseGraphs:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
         self._pieces: dict[int, tuple[Any, PieceGraphs]] = {}  # id(runner) -> (runner, graphs)
+        self._attention_outputs = _Buffers()  # by layer index
         self._produced: set[int] = set()
         self.misses = 0  # replays that found no graph for their token count (ran plainly)
 
@@ -219,6 +235,17 @@ class PiecewiseGraphs:
             self._produced.update(o.data_ptr() for o in out if isinstance(o, torch.Tensor))
         return out
 
+    def attention_output(self, phase: Phase, layer_idx: int, shape: torch.Size, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+        """Layer ``layer_idx``'s attention output buffer: one per layer (a piece may still be
+        reading one layer's output when the next layer's attention runs), sized by the first
+        and largest call, smaller token counts using its leading rows. A capture marks it as
+        produced, so the next piece's graph reads it in place and replays copy nothing."""
+        out = self._attention_outputs.rows(layer_idx, shape, dtype, device)
+        if phase is Phase.CAPTURE:
+            self._produced.add(out.data_ptr())
+        return out
+
     def _graphs_of(self, runner: Any) -> PieceGraphs:
         entry = self._pieces.get(id(runner))
         if entry is None:
@@ -228,6 +255,11 @@ class PiecewiseGraphs:
     @property
     def num_graphs(self) -> int:
         return sum(len(g.graphs) for _, g in self._pieces.values())
+
+    @property
+    def staged_copies(self) -> int:
+        """Inputs copied into staging buffers before replays, over every piece so far."""
+        return sum(g.staged_copies for _, g in self._pieces.values())
 
 
 @dataclass(frozen=True)
@@ -239,3 +271,7 @@ class PiecewiseRun:
 
     def run(self, runner: Any, fn: Callable, args: Sequence, num_tokens: int) -> list:
         return self.graphs.run(self.phase, runner, fn, args, num_tokens)
+
+    def attention_output(self, layer_idx: int, shape: torch.Size, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+        return self.graphs.attention_output(self.phase, layer_idx, shape, dtype, device)

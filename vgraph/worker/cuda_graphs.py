@@ -304,9 +304,10 @@ def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Mo
 
     - the shared pool: one forward's activations at the largest captured size;
     - PIECEWISE buffers: per compiled piece (L + 1) at the largest token bucket, its outputs
-      and the staged attention output: the fused qkv (q + 2kv, kept whole because v leaves
-      the piece as a strided view of it), q and k after rotary (q + kv), the attention
-      output (q) and the residual (hidden), so 3q + 3kv + hidden per token;
+      and its layer's attention output buffer: the fused qkv (q + 2kv, kept whole because v
+      leaves the piece as a strided view of it), q and k after rotary (q + kv), the
+      attention output (q, written in place by the attention op) and the residual (hidden),
+      so 3q + 3kv + hidden per token;
     - FULL buffers: the persistent decode inputs and the hidden-state output;
     - the graphs themselves, at a generous fixed size each.
     """
