@@ -12,9 +12,9 @@ from vgraph.models import demo
 
 
 @pytest.fixture(scope="module")
-def demo_llm(tmp_path_factory) -> LLM:
-    path = demo.ensure_demo_model(tmp_path_factory.mktemp("demo-cache"))
-    return LLM(path, enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02)
+def demo_llm() -> LLM:
+    """By name, as a user writes it: built under $VGRAPH_CACHE_DIR, never looked up on the hub."""
+    return LLM(demo.DEMO_MODEL_NAME, enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02)
 
 
 def _unreadable(text: str) -> list[str]:
@@ -50,3 +50,16 @@ def test_a_stale_demo_copy_is_rebuilt(tmp_path):
     path = Path(demo.ensure_demo_model(tmp_path))
     assert (path / "model.safetensors").is_file() and demo._is_current(path)
     assert os.listdir(tmp_path) == [demo.DEMO_MODEL_NAME], "the stale copy and temp dirs are gone"
+
+
+def test_the_demo_name_resolves_to_the_built_in_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("VGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    assert demo.demo_model_path(demo.DEMO_MODEL_NAME) == str(tmp_path / "cache" / demo.DEMO_MODEL_NAME)
+    assert demo.demo_model_path("Qwen/Qwen2.5-0.5B-Instruct") is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / demo.DEMO_MODEL_NAME).mkdir()
+    assert demo.demo_model_path(demo.DEMO_MODEL_NAME) is None, "a local directory of that name wins"
+
+
+def test_engine_reports_the_demo_path(demo_llm):
+    assert demo_llm.engine.config.model.model.endswith(os.sep + demo.DEMO_MODEL_NAME)

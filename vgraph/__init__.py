@@ -2,14 +2,19 @@
 
 Attributes load lazily, so that ``import vgraph`` (and the CLI) can decide environment
 switches such as ``TRITON_INTERPRET`` before torch or triton are imported. Importing
-``vgraph.ops`` registers the ``torch.ops.vgraph`` custom ops.
+``vgraph.ops`` registers the ``torch.ops.vgraph`` custom ops. Importing the package sets up
+vgraph's default logging (``vgraph.logging_setup``: INFO to stderr, ``VGRAPH_LOGGING_LEVEL``).
 """
 from __future__ import annotations
 
 import importlib
 from typing import Any
 
+from .logging_setup import configure_default_logging
+
 __version__ = "0.1.0"
+
+configure_default_logging()  # INFO on stderr unless the application configured logging
 
 _LAZY = {
     "ops": ("vgraph.ops", None),

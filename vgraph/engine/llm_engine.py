@@ -11,6 +11,7 @@ import torch
 from ..config import EngineConfig
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler, SchedulerOutput
+from ..models.demo import demo_model_path
 from ..models.loader import load_generation_config, load_hf_config, load_tokenizer, resolve_model_path
 from ..models.quantization import resolve_quantization
 from ..sampling_params import SamplingParams
@@ -63,7 +64,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
-        path = resolve_model_path(config.model.model, config.model.revision)
+        path = demo_model_path(config.model.model) or resolve_model_path(config.model.model, config.model.revision)
         hf_config = load_hf_config(path)
         self.config = config.resolved(
             model_path=path, max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 2048)),

@@ -266,6 +266,17 @@ def _suppress_unreadable_tokens(model: Any, token_ids: list[int], margin: float 
     model.lm_head.weight[token_ids, 0] = -margin
 
 
+def demo_model_path(name: str) -> Optional[str]:
+    """The built-in demo model's directory (built on first use) when ``name`` is its name,
+    ``demo-model-v1``, and no local directory of that name exists; None for any other name.
+    Lets ``LLM("demo-model-v1")`` and ``--model demo-model-v1`` run it, as the server serves
+    it under that name, instead of looking the name up on the Hugging Face Hub."""
+    if name != DEMO_MODEL_NAME or os.path.isdir(name):
+        return None
+    from ..paths import cache_dir
+    return ensure_demo_model(cache_dir())
+
+
 def _is_current(target: Path) -> bool:
     build = target / _BUILD_FILE
     return build.is_file() and build.read_text(encoding="utf-8").strip() == DEMO_BUILD
