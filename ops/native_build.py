@@ -8,8 +8,10 @@ about a second. It is the compiler Inductor's CPU backend needs anyway (``$CXX``
 Cache: ``$VGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/vgraph/kernels``), one file per
 hash of the source, the compiler's version, the flags and this CPU's feature flags (the
 build targets ``-march=native``). Builds land in a temporary file renamed into place, so
-concurrent first users each end with one complete library. A read-only cache builds into a
-temporary directory for this process instead.
+concurrent first users each end with one complete library. A cache that cannot be written
+(read-only, full, a file in the way) builds into one temporary directory for this process
+instead, with one warning for all the kernels; a cached library that cannot be loaded
+(truncated, corrupt) is built again.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
+# Kernel cache directories this process could not write -> where it builds instead.
+_private_dirs: dict[Path, Path] = {}
 
 
 class NativeBuildError(RuntimeError):
@@ -97,43 +101,66 @@ def _compile(cxx: str, source_file: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _build(name: str, cxx: str, source_file: Path, source: str) -> Path:
+def _private_build_dir(unusable: Path, exc: OSError) -> Path:
+    """This process's build directory (removed at exit) in place of a kernel cache it could
+    not write; the warning comes once per such cache, not once per kernel."""
+    if unusable not in _private_dirs:
+        _private_dirs[unusable] = Path(tempfile.mkdtemp(prefix="vgraph-kernels-"))
+        atexit.register(shutil.rmtree, _private_dirs[unusable], ignore_errors=True)
+        logger.warning("cannot write the kernel cache %s (%s); building the C++ kernels in a "
+                       "temporary directory for this process", unusable, exc)
+    return _private_dirs[unusable]
+
+
+def _build(name: str, cxx: str, source_file: Path, source: str, reuse: bool = True) -> Path:
+    """The library's path, built unless already cached; ``reuse=False`` builds it even over
+    a cached file (one that failed to load)."""
     key = library_key(source, cxx)
-    for directory in (kernel_cache_dir(), None):
-        if directory is None:  # private to this process, removed at exit
-            directory = Path(tempfile.mkdtemp(prefix="vgraph-kernels-"))
-            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    cache = kernel_cache_dir()
+    directory = _private_dirs.get(cache, cache)
+    while True:
         target = directory / f"{name}-{key}.so"
-        if target.is_file():
+        if reuse and target.is_file():
             return target
         start = time.perf_counter()
         try:
             _compile(cxx, source_file, target)
-        except OSError as exc:  # read-only or full cache dir: build privately instead
-            logger.warning("cannot write the kernel cache %s (%s); building in a temporary "
-                           "directory", directory, exc)
+        except OSError as exc:  # read-only, full, or not a directory: build privately instead
+            if directory != cache:
+                raise NativeBuildError(f"could not write {name} anywhere ({exc})") from exc
+            directory = _private_build_dir(cache, exc)
             continue
         logger.info("built the C++ kernel %s in %.1f s (%s)", name, time.perf_counter() - start,
                     target)
         return target
-    raise NativeBuildError(f"could not write {name} anywhere")  # the temp dir failed too
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {path}: {exc}") from exc
 
 
 @lru_cache(maxsize=None)
 def load_library(name: str) -> ctypes.CDLL:
     """``ops/csrc/<name>.cpp`` as a loaded library, built on first use in this cache.
 
-    Raises NativeBuildError when there is no compiler or the build fails; callers fall back
-    to their torch implementation.
+    A cached library that does not load (truncated, corrupt) is built again, once, with a
+    warning. Raises NativeBuildError when there is no compiler or the build fails; callers
+    fall back to their torch implementation.
     """
     source_file = CSRC / f"{name}.cpp"
     source = source_file.read_text(encoding="utf-8")
+    cxx = compiler()
     with _lock:
-        path = _build(name, compiler(), source_file, source)
+        path = _build(name, cxx, source_file, source)
     try:
-        return ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise NativeBuildError(f"cannot load {path}: {exc}") from exc
+        return _load(path)
+    except NativeBuildError as exc:
+        logger.warning("the cached C++ kernel %s does not load (%s); building it again", path, exc.__cause__)
+    with _lock:
+        return _load(_build(name, cxx, source_file, source, reuse=False))
 
 
 class NativeKernel:

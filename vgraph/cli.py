@@ -266,16 +266,23 @@ def _captured_status(state: str) -> str:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    from vgraph.compiler.cache import clear_entries, list_entries
+    """``cache list`` / ``cache clear``, both narrowed by ENTRY, --model and --older-than
+    (entries every given selector accepts); a plain ``clear`` removes every entry."""
+    from vgraph.compiler import cache_entries as ce
     from vgraph.paths import cache_dir
     root = cache_dir()
-    if args.action == "clear":
-        print(f"removed {clear_entries(root)} compile cache entries from {root / 'compile'}")
+    selectors = (args.entry, args.model, args.older_than)
+    older = ce.parse_duration(args.older_than) if args.older_than is not None else None
+    if args.action == "clear" and selectors == (None, None, None):
+        print(f"removed {ce.clear_all(root)} compile cache entries from {root / 'compile'}")
         return 0
-    entries = list_entries(root)
+    entries = ce.select_entries(ce.list_entries(root), args.entry, args.model, older)
+    if args.action == "clear":
+        print(f"removed {ce.remove_entries(entries)} compile cache entries from {root / 'compile'}")
+        return 0
     print(f"compile cache: {root / 'compile'} ({len(entries)} entries)")
-    for e in entries:
-        print(f"  {e['name']}  {e['artifacts']} artifacts  {e['bytes'] / 2**20:.1f} MiB")
+    for entry in entries:
+        print(ce.describe_entry(entry))
     return 0
 
 
@@ -383,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_cmd_doctor)
     cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
     cache.add_argument("action", choices=["list", "clear"])
+    cache.add_argument("entry", nargs="?", default=None, help="only this entry: its name or a unique prefix")
+    cache.add_argument("--model", default=None, help="only entries made for this model (as given, or its directory)")
+    cache.add_argument("--older-than", default=None, metavar="AGE",
+                       help="only entries last used longer ago than AGE: 30m, 12h, 7d, 2w")
     cache.set_defaults(handler=_cmd_cache)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)",
                          deferred=_add_engine_args)

@@ -75,6 +75,19 @@ class VgraphBackend:
         self.capture_context: Optional[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = None
         self.pending_capture: Optional[_PendingCapture] = None
         self._fingerprint: Optional[str] = None
+        self._read_disk = config.use_cache  # off after a cached entry failed: compile everything
+
+    def stop_reading_disk(self) -> None:
+        """After a cached entry failed to load or run: forget what was loaded and compile every
+        piece from here on (saves still overwrite the entry's files, which repairs it)."""
+        self._read_disk = False
+        self._artifacts.clear()
+        self._not_on_disk.clear()
+
+    @property
+    def used_disk(self) -> bool:
+        """Whether anything this backend runs came from the compile cache's files."""
+        return self.counters.cache_loads > 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.dynamo_started is not None:
@@ -121,27 +134,35 @@ class VgraphBackend:
                            "keeping Dynamo (warm starts will trace again)")
             return None
         if self.config.use_cache:
-            self._save_capture(pending, self._source_fingerprint(model))
+            self._save_capture(pending, model)
         return direct
 
-    def _save_capture(self, pending: "_PendingCapture", fingerprint: str) -> None:
+    def _save_capture(self, pending: "_PendingCapture", model: torch.nn.Module) -> None:
+        built_for = {"config_key": self.cache.config_key, "graph_hash": self.cache.graph_hash,
+                     "state": captured.state_signature(model, pending.sources)}
         try:
-            path = self.cache.captured_path(fingerprint)
+            path = self.cache.captured_path(self._source_fingerprint(model))
             if path is not None:
-                captured.save_record(path, pending.split_bytes, pending.sources, pending.records)
+                captured.save_record(path, pending.split_bytes, pending.sources, pending.records, built_for)
                 self.counters.captured_graph = "saved"
         except OSError as exc:
             logger.warning("could not save the captured graph (%s); warm starts will trace again", exc)
 
     def load_capture(self, model: torch.nn.Module) -> Optional[captured.DirectForward]:
         """A warm start's forward without Dynamo: the captured graph and every piece's artifacts
-        from the cache; None when any of it is missing or unreadable."""
-        if not self.config.use_cache:
+        from the cache; None when any of it is missing, unreadable or made for another model."""
+        if not self._read_disk:
             return None
         start = time.perf_counter()
         path = self.cache.find_captured(self._source_fingerprint(model))
         record = captured.load_record(path) if path is not None else None
         if record is None:
+            return None
+        problem = captured.record_problem(record, model, path.parent, self.cache.config_key)
+        if problem is not None:
+            self.counters.cache_errors += 1
+            logger.warning("captured graph %s does not fit the model as built now (%s); tracing and "
+                           "compiling again", path, problem)
             return None
         split = record["split"]
         if not captured.install_pieces(split, record["pieces"], self._load_artifact):
@@ -153,7 +174,9 @@ class VgraphBackend:
         c.compiled_pieces, c.unique_piece_graphs = len(hashes), len(set(hashes))
         c.captured_graph, c.captured_load_seconds = "loaded", time.perf_counter() - start
         self._record_pass_matches(hashes)
-        return captured.DirectForward(split, record["sources"], model)
+        direct = captured.DirectForward(split, record["sources"], model)
+        self.cache.touch()
+        return direct
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:
         """Read once per start: the warm lookup and the cold save both need it."""
@@ -165,7 +188,7 @@ class VgraphBackend:
         """One (piece, size) artifact from memory or disk; a missing or unreadable entry is
         remembered, so the fallback compiles it instead of reading (and warning) again."""
         key = (piece_hash, label)
-        if key in self._artifacts or key in self._not_on_disk:
+        if key in self._artifacts or key in self._not_on_disk or not self._read_disk:
             return self._artifacts.get(key)
         start = time.perf_counter()
         loaded = self.cache.load(piece_hash, label)
@@ -209,7 +232,7 @@ class VgraphBackend:
         key = (piece_hash, label)
         if key in self._artifacts:
             return self._artifacts[key]
-        loaded = self._load_artifact(piece_hash, label) if self.config.use_cache else None
+        loaded = self._load_artifact(piece_hash, label)
         if loaded is not None:
             return loaded
         start = time.perf_counter()

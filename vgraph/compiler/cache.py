@@ -2,11 +2,16 @@
 
 Layout: ``<VGRAPH_CACHE_DIR>/compile/<config key>-<graph hash>/<piece hash>-<size>.bin``. The
 config key covers everything outside the graph that changes generated code (versions, model
-config, dtype, quantization, compile config, pass uuids, device); the graph hash covers the
-captured graph itself; a piece hash covers one piece's structure, so identical decoder
-layers share one artifact. Writes are atomic (write to a temp name, then rename); an
-unreadable entry is recompiled with a warning; an unwritable directory degrades to compiling
-in memory with a warning, never to a crash.
+config and the module layout it was built with, dtype, quantization, compile config, pass
+uuids, device); the graph hash covers the captured graph itself; a piece hash covers one
+piece's structure and input signature, so identical decoder layers share one artifact.
+
+Every artifact file starts with a tag saying what it was compiled for (config key, piece
+hash, size): a file under the wrong name (swapped, copied from another entry) is caught on
+load, logged and recompiled, instead of being called with another piece's inputs. Writes are
+atomic (a uniquely named temporary file, then a rename); an unreadable entry is recompiled
+with a warning; an unwritable directory degrades to compiling in memory with one warning,
+never to a crash.
 """
 from __future__ import annotations
 
@@ -15,15 +20,22 @@ import json
 import logging
 import os
 import platform
-import shutil
+import struct
 import tempfile
-import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from . import cache_entries
+from .cache_entries import TEMP_PREFIX
+
 logger = logging.getLogger("vgraph")
+
+ARTIFACT_MAGIC = b"vgraph-artifact\n"
+ARTIFACT_FORMAT = 1
+_HEADER_LENGTH = struct.Struct(">I")
 
 
 def stable_hash(payload: Any, length: int = 16) -> str:
@@ -47,13 +59,59 @@ def environment_fingerprint(device: torch.device) -> dict:
     return info
 
 
-class CompileCache:
-    """Saves and loads Inductor ``CompiledArtifact``s for one config key."""
+@dataclass(frozen=True)
+class ArtifactTag:
+    """What an artifact file was compiled for, written at its head and checked on load."""
 
-    def __init__(self, root: Optional[Path], config_key: str) -> None:
+    config_key: str
+    piece_hash: str
+    size: str  # "dynamic" or a compile size
+
+
+def pack_artifact(tag: ArtifactTag, inductor_bytes: bytes) -> bytes:
+    header = json.dumps({"format": ARTIFACT_FORMAT, **asdict(tag)}, sort_keys=True).encode()
+    return ARTIFACT_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + inductor_bytes
+
+
+def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
+    """The tag and Inductor's bytes; ValueError for a file that is not a tagged artifact
+    (truncated, foreign, or written by a vgraph before tags)."""
+    start = len(ARTIFACT_MAGIC) + _HEADER_LENGTH.size
+    if not data.startswith(ARTIFACT_MAGIC) or len(data) < start:
+        raise ValueError("not a vgraph artifact (no tag)")
+    (length,) = _HEADER_LENGTH.unpack_from(data, len(ARTIFACT_MAGIC))
+    try:
+        header = json.loads(data[start:start + length])
+        tag = ArtifactTag(header["config_key"], header["piece_hash"], header["size"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"unreadable artifact tag ({exc})") from None
+    if header.get("format") != ARTIFACT_FORMAT:
+        raise ValueError(f"artifact format {header.get('format')!r}, expected {ARTIFACT_FORMAT}")
+    return tag, data[start + length:]
+
+
+def _load_inductor(inductor_bytes: bytes) -> Callable:
+    """Inductor's ``CompiledArtifact`` from its binary format (it loads only from a path)."""
+    from torch._inductor import CompiledArtifact
+    with tempfile.NamedTemporaryFile(prefix="vgraph-artifact-", suffix=".bin") as f:
+        f.write(inductor_bytes)
+        f.flush()
+        return CompiledArtifact.load(path=f.name, format="binary")
+
+
+class CompileCache:
+    """Saves and loads Inductor ``CompiledArtifact``s for one config key.
+
+    ``description`` (model, architecture, dtype, quantization, passes, ...) goes into a new
+    entry's meta.json, for ``vgraph cache list`` and ``clear --model``.
+    """
+
+    def __init__(self, root: Optional[Path], config_key: str, description: Optional[dict] = None) -> None:
         self.root = root
         self.config_key = config_key
+        self.description = dict(description or {})
         self.folder: Optional[Path] = None
+        self.graph_hash: Optional[str] = None
         self._writable = root is not None
         self._errors = 0  # unreadable entries and failed saves since the last take_errors()
 
@@ -61,7 +119,13 @@ class CompileCache:
         errors, self._errors = self._errors, 0
         return errors
 
+    @property
+    def writable(self) -> bool:
+        """False once a write failed: the run goes on compiling in memory."""
+        return self._writable and self.folder is not None
+
     def bind_graph(self, graph_hash: str) -> None:
+        self.graph_hash = graph_hash
         if self.root is not None:
             self.folder = self.root / "compile" / f"{self.config_key}-{graph_hash}"
 
@@ -69,43 +133,79 @@ class CompileCache:
         return self.folder / f"{piece_hash}-{size}.bin" if self.folder else None
 
     def load(self, piece_hash: str, size: str) -> Optional[Callable]:
+        """The artifact compiled for this piece and size, or None (missing, unreadable, or
+        compiled for something else: each of the last two logged as one warning)."""
         path = self._path(piece_hash, size)
-        if path is None or not path.exists():
+        if path is None or not path.is_file():
             return None
         try:
-            from torch._inductor import CompiledArtifact
-            return CompiledArtifact.load(path=str(path), format="binary")
-        except Exception as exc:  # a truncated or foreign file: recompile, never crash
-            self._errors += 1
-            logger.warning("compile cache entry %s is unreadable (%s: %s); recompiling it",
-                           path, type(exc).__name__, exc)
-            return None
+            tag, inductor_bytes = unpack_artifact(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            return self._unusable(path, f"unreadable ({exc})")
+        expected = ArtifactTag(self.config_key, piece_hash, size)
+        if tag != expected:
+            return self._unusable(path, f"compiled for another piece or entry ({_tag_difference(tag, expected)})")
+        try:
+            return _load_inductor(inductor_bytes)
+        except Exception as exc:  # an incompatible or damaged Inductor payload: recompile, never crash
+            return self._unusable(path, f"unreadable ({type(exc).__name__}: {exc})")
+
+    def _unusable(self, path: Path, why: str) -> None:
+        self._errors += 1
+        logger.warning("compile cache entry %s is %s; recompiling it", path, why)
+        return None
 
     def save(self, artifact: Any, piece_hash: str, size: str) -> bool:
+        """Writes the artifact, tagged, under its name; False when it is kept in memory only."""
         path = self._path(piece_hash, size)
-        if path is None or not self._writable:
+        if path is None or not self.ensure_folder():
             return False
+        tmp = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".bin")
             os.close(fd)
             artifact.save(path=tmp, format="binary")
+            data = Path(tmp).read_bytes()
+            Path(tmp).write_bytes(pack_artifact(ArtifactTag(self.config_key, piece_hash, size), data))
             os.replace(tmp, path)
-            self._write_meta()
             return True
         except OSError as exc:
+            self._disable(exc)
+            return False
+        except Exception as exc:  # Inductor could not serialize this piece: serve it from memory
             self._errors += 1
-            self._writable = False
-            logger.warning("compile cache %s is not writable (%s); compiling in memory only",
-                           path.parent, exc)
-            _remove_quietly(locals().get("tmp"))
+            logger.warning("could not save the compiled piece %s (%s: %s); it is compiled again on "
+                           "the next start", path.name, type(exc).__name__, exc)
+            return False
+        finally:
+            cache_entries._remove_quietly(tmp if tmp and os.path.exists(tmp) else None)
+
+    def ensure_folder(self) -> bool:
+        """Creates the entry folder and its meta.json on the first write; False (after one
+        warning for the whole run) when the cache cannot be written."""
+        if not self.writable:
+            return False
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            cache_entries.create_meta(self.folder, {**self.description, "config_key": self.config_key,
+                                                    "graph_hash": self.graph_hash})
+            return True
+        except OSError as exc:
+            self._disable(exc)
             return False
 
+    def _disable(self, exc: OSError) -> None:
+        self._errors += 1
+        if self._writable:
+            logger.warning("compile cache %s is not writable (%s); compiling in memory only, serving "
+                           "goes on", self.folder or self.root, exc)
+        self._writable = False
+
     def captured_path(self, source_fingerprint: str) -> Optional[Path]:
-        """Where this graph's captured record goes (see captured_graph.py); None without a cache."""
-        if self.folder is None or not self._writable:
+        """Where this graph's captured record goes (see captured_graph.py); None without a
+        writable cache."""
+        if not self.ensure_folder():
             return None
-        self.folder.mkdir(parents=True, exist_ok=True)
         return self.folder / f"captured-{source_fingerprint}.pkl"
 
     def find_captured(self, source_fingerprint: str) -> Optional[Path]:
@@ -113,59 +213,40 @@ class CompileCache:
         (the graph hash is not known without tracing); the newest if several match."""
         if self.root is None:
             return None
-        found = list((self.root / "compile").glob(f"{self.config_key}-*/captured-{source_fingerprint}.pkl"))
-        if not found:
+        try:
+            found = list((self.root / "compile").glob(f"{self.config_key}-*/captured-{source_fingerprint}.pkl"))
+            path = max(found, key=lambda p: p.stat().st_mtime) if found else None
+        except OSError:  # an unreadable root, or a record removed meanwhile: trace
             return None
-        path = max(found, key=lambda p: p.stat().st_mtime)
-        self.folder = path.parent
+        if path is not None:
+            self.folder = path.parent
+            self.graph_hash = path.parent.name[len(self.config_key) + 1:]
         return path
+
+    def touch(self) -> None:
+        """A warm start used this entry: its ``last_used`` in meta.json moves to now."""
+        if self.folder is not None and self._writable:
+            cache_entries.touch_last_used(self.folder, {**self.description, "config_key": self.config_key,
+                                                        "graph_hash": self.graph_hash})
 
     def write_pass_matches(self, matches: dict[str, dict[str, int]]) -> None:
         """Pass matches per piece graph from the cold compile, for warm starts (which run no pass)."""
-        if self.folder is None or not self._writable:
+        if not self.ensure_folder():
             return
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            tmp = self.folder / ".pass_matches.json.tmp"
-            tmp.write_text(json.dumps(matches))
-            os.replace(tmp, self.folder / "pass_matches.json")
+            cache_entries.write_json_atomic(self.folder / "pass_matches.json", matches)
         except OSError as exc:
             logger.warning("could not record pass matches in %s (%s)", self.folder, exc)
 
     def read_pass_matches(self) -> dict[str, dict[str, int]]:
         try:
-            return json.loads((self.folder / "pass_matches.json").read_text()) if self.folder else {}
+            matches = json.loads((self.folder / "pass_matches.json").read_text()) if self.folder else {}
         except (OSError, ValueError):
             return {}
-
-    def _write_meta(self) -> None:
-        meta = self.folder / "meta.json"
-        if not meta.exists():
-            meta.write_text(json.dumps({"created": time.time(), "config_key": self.config_key}))
+        return matches if isinstance(matches, dict) else {}
 
 
-def _remove_quietly(path: Optional[str]) -> None:
-    if path:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
-
-
-def list_entries(root: Path) -> list[dict]:
-    """Each compile-cache folder with its size in bytes and number of artifacts."""
-    base = root / "compile"
-    entries = []
-    for folder in sorted(base.iterdir()) if base.is_dir() else []:
-        files = [f for f in folder.iterdir() if f.suffix == ".bin"]
-        entries.append({"name": folder.name, "artifacts": len(files),
-                        "bytes": sum(f.stat().st_size for f in files), "path": str(folder)})
-    return entries
-
-
-def clear_entries(root: Path) -> int:
-    base = root / "compile"
-    count = len(list_entries(root))
-    if base.is_dir():
-        shutil.rmtree(base)
-    return count
+def _tag_difference(found: ArtifactTag, expected: ArtifactTag) -> str:
+    found_d, expected_d = asdict(found), asdict(expected)
+    return ", ".join(f"{k} {found_d[k]!r} instead of {expected_d[k]!r}"
+                     for k in found_d if found_d[k] != expected_d[k])

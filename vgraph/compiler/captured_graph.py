@@ -13,13 +13,20 @@ it directly gives bit-identical output to Dynamo's compiled frame, and only then
 switches to it, so cold and warm starts run the same direct call at serving time. Anything it
 cannot account for (an input that is neither model state nor an argument) means no record:
 warm starts then trace with Dynamo, as before.
+
+A record also says what it was built for: its entry (config key and graph hash) and the name,
+shape, dtype and strides of every piece of model state it binds. A warm start checks both
+against the folder it read and the model as built now (linears packed or not, say, which
+changes the state's names and shapes) and traces again, with one warning, on any difference.
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
 import logging
+import os
 import pickle
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -30,7 +37,7 @@ from .piece import PieceRunner, TokenDim
 
 logger = logging.getLogger("vgraph")
 
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
 STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
 
 
@@ -63,6 +70,42 @@ def source_fingerprint(model: torch.nn.Module) -> str:
         digest.update(path.encode())
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name (shared ones under each of their names)."""
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    return state
+
+
+def _tensor_signature(t: torch.Tensor) -> list:
+    return [list(t.shape), str(t.dtype), list(t.stride()), t.device.type]
+
+
+def state_signature(model: torch.nn.Module, sources: list[InputSource]) -> dict[str, list]:
+    """Name -> [shape, dtype, strides, device] of the model state a graph binds."""
+    state = model_state(model)
+    return {s.name: _tensor_signature(state[s.name]) for s in sources if s.kind == STATE}
+
+
+def record_problem(record: dict, model: torch.nn.Module, folder: Path, config_key: str) -> Optional[str]:
+    """Why the record does not fit this entry and this model, or None when it does. The
+    graph was traced over that exact state, so any difference means another graph."""
+    entry = f"{record.get('config_key')}-{record.get('graph_hash')}"
+    if record.get("config_key") != config_key or folder.name != entry:
+        return f"it was recorded for entry {entry}, not {folder.name}"
+    state, expected = model_state(model), record.get("state") or {}
+    for source in record["sources"]:
+        if source.kind != STATE:
+            continue
+        tensor = state.get(source.name)
+        if tensor is None:
+            return (f"the model has no {source.name!r} (it was built differently, e.g. with "
+                    "packed or plain linears)")
+        if _tensor_signature(tensor) != expected.get(source.name):
+            return f"{source.name!r} is {_tensor_signature(tensor)}, the record has {expected.get(source.name)}"
+    return None
 
 
 def bind_inputs(example_inputs: list, model: torch.nn.Module, call_inputs: dict[str, torch.Tensor],
@@ -100,8 +143,7 @@ class DirectForward:
 
     def __init__(self, split: torch.nn.Module, sources: list[InputSource], model: torch.nn.Module) -> None:
         self.split = split
-        state = dict(model.named_parameters(remove_duplicate=False))
-        state.update(model.named_buffers(remove_duplicate=False))
+        state = model_state(model)
         self._args: list[Any] = [state[s.name] if s.kind == STATE else None for s in sources]
         self._slots = {kind: [i for i, s in enumerate(sources) if s.kind == kind]
                        for kind in (INPUT_IDS, POSITIONS, NUM_TOKENS)}
@@ -130,12 +172,21 @@ def stubbed_split_bytes(split: torch.fx.GraphModule, compiled: set[str]) -> byte
             setattr(split, name, module)
 
 
-def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], pieces: dict[str, PieceRecord]) -> None:
+def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], pieces: dict[str, PieceRecord],
+                built_for: dict[str, Any]) -> None:
+    """Writes the record atomically (a uniquely named temporary file, then a rename: two cold
+    starts saving at once each rename a whole file). ``built_for``: ``config_key``,
+    ``graph_hash`` and ``state`` (``state_signature``), checked by ``record_problem``."""
     payload = {"format": RECORD_FORMAT, "torch": torch.__version__, "split": split_bytes,
-               "sources": sources, "pieces": pieces}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(pickle.dumps(payload))
-    tmp.replace(path)
+               "sources": sources, "pieces": pieces, **built_for}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(pickle.dumps(payload))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_record(path: Path) -> Optional[dict]:
@@ -143,6 +194,7 @@ def load_record(path: Path) -> Optional[dict]:
     try:
         payload = pickle.loads(path.read_bytes())
         if payload.get("format") != RECORD_FORMAT or payload.get("torch") != torch.__version__:
+            logger.info("captured graph %s is from another vgraph or torch version; tracing with Dynamo", path)
             return None
         payload["split"] = pickle.loads(payload["split"])
         return payload

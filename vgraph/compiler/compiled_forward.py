@@ -6,6 +6,10 @@ once it has reproduced Dynamo's output exactly; a warm start loads that graph fr
 cache and runs no Dynamo at all. If the graph cannot be called directly, calls go through
 Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
 a recompile raises instead of silently compiling again: during serving it is a bug.
+
+The compile cache never stops a start: if anything read from it fails while loading or on the
+first (warm-up) call, that is one warning and the forward is compiled again from scratch,
+without reading the cache, whose files the new compile then overwrites.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ class CompiledForward:
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, _ENGINES_PER_PROCESS)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _ENGINES_PER_PROCESS)
-        self._compiled = torch.compile(model.forward, backend=backend, fullgraph=True, dynamic=False)
+        self._compiled = self._compile()
         self.traced = False
         self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
@@ -54,17 +58,54 @@ class CompiledForward:
         with torch.compiler.set_stance("fail_on_recompile", skip_guard_eval_unsafe=True):
             return self._compiled(input_ids, positions)
 
+    def _compile(self) -> Callable:
+        """A fresh Dynamo wrapper. Dynamo keeps a traced frame per backend object, so the
+        wrapper around a new lambda traces anew instead of reusing a frame that failed."""
+        backend = self.backend
+        return torch.compile(self.model.forward, backend=lambda gm, inputs: backend(gm, inputs),
+                             fullgraph=True, dynamic=False)
+
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        self._direct = self.backend.load_capture(self.model)
-        if self._direct is not None:
-            self.traced = True
-            return self._direct(input_ids, positions)
+        out = self._warm_call(input_ids, positions)
+        if out is not None:
+            return out
+        try:
+            return self._trace(input_ids, positions)
+        except Exception as exc:
+            if not self.backend.used_disk:
+                raise
+            self._distrust_cache(exc)
+            self._compiled = self._compile()
+            return self._trace(input_ids, positions)
+
+    def _warm_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The loaded graph's output, or None when there is none or it failed (then warned)."""
+        try:
+            direct = self.backend.load_capture(self.model)
+            out = direct(input_ids, positions) if direct is not None else None
+        except Exception as exc:
+            self._distrust_cache(exc)
+            return None
+        if out is not None:
+            self._direct, self.traced = direct, True
+        return out
+
+    def _distrust_cache(self, exc: Exception) -> None:
+        logger.warning("the compile cache entry failed (%s: %s); compiling the model again without it",
+                       type(exc).__name__, exc)
+        self.backend.counters.cache_errors += 1
+        self.backend.counters.captured_graph = ""
+        self.backend.stop_reading_disk()
+
+    def _trace(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         torch._dynamo.mark_dynamic(input_ids, 0)
         torch._dynamo.mark_dynamic(positions, 0)
         self.backend.dynamo_started = time.perf_counter()
         self.backend.capture_context = (self.model, {"input_ids": input_ids, "positions": positions})
-        out = self._compiled(input_ids, positions)
-        self.backend.capture_context = None
+        try:
+            out = self._compiled(input_ids, positions)
+        finally:
+            self.backend.capture_context = None
         self.traced = True
         self._direct = self.backend.adopt_capture(self.model, input_ids, positions, out)
         return out

@@ -293,8 +293,12 @@ def ensure_demo_model(cache_dir: str | os.PathLike) -> str:
     target = cache / DEMO_MODEL_NAME
     if _is_current(target):
         return str(target)
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=cache))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=cache))
+    except OSError as exc:  # read-only, full, or a file in the way: built for this process only
+        from ..paths import private_dir
+        return build_demo_checkpoint(private_dir("the demo model", cache, exc) / DEMO_MODEL_NAME)
     try:
         build_demo_checkpoint(tmp)
         _replace_stale(target, cache)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from vgraph.config import ModelConfig, resolve_dtype
@@ -50,7 +50,9 @@ def format_bytes(num_bytes: int) -> str:
 
 
 class ModelLoadError(RuntimeError):
-    """The model named by the user cannot be found or fetched; the message says what to do."""
+    """The model named by the user cannot be found, fetched or read (a truncated weight file,
+    a config.json that is not JSON); the message names the file and says what to do. The CLI
+    prints it as one line and exits 2."""
 
 
 def resolve_model_path(name_or_path: str, revision: Optional[str] = None) -> str:
@@ -81,8 +83,17 @@ def _snapshot_download(repo_id: str, revision: Optional[str]) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """A checkpoint's JSON file as a dict; ModelLoadError naming it when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON (a half-written copy)
+        raise ModelLoadError(f"cannot read {path}: {exc}; the checkpoint is damaged or incomplete") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} holds a JSON {type(data).__name__}, not an object; the checkpoint is damaged")
+    return data
 
 
 def load_hf_config(path: str) -> Any:
@@ -97,15 +108,25 @@ def load_hf_config(path: str) -> Any:
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     get_model_class(_read_json(config_file).get("architectures"))
-    return AutoConfig.from_pretrained(path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:  # valid JSON that transformers rejects
+        raise ModelLoadError(f"cannot load {config_file} ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def safetensors_files(path: str) -> list[Path]:
     """The weight files: the index's shards, else model.safetensors, else any *.safetensors."""
     root = Path(path)
     if (root / SAFETENSORS_INDEX).is_file():
-        weight_map = _read_json(root / SAFETENSORS_INDEX)["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
+        weight_map = _read_json(root / SAFETENSORS_INDEX).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{root / SAFETENSORS_INDEX} has no weight_map; the checkpoint is damaged")
+        files = [root / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{root / SAFETENSORS_INDEX} lists weight files that are not in {path}: "
+                                    f"{', '.join(missing)}")
+        return files
     if (root / SAFETENSORS_FILE).is_file():
         return [root / SAFETENSORS_FILE]
     files = sorted(root.glob("*.safetensors"))
@@ -116,11 +137,19 @@ def safetensors_files(path: str) -> list[Path]:
 
 
 def iterate_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, CPU tensor) one at a time, so peak extra memory is one tensor."""
+    """Yields (HF name, CPU tensor) one at a time, so peak extra memory is one tensor.
+
+    A file safetensors cannot read (truncated by an interrupted copy or download, or not
+    safetensors at all) is a ModelLoadError naming it."""
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:
+            raise ModelLoadError(f"cannot read weights from {file} ({exc}); the file is truncated or "
+                                 "damaged: copy or download it again") from None
 
 
 def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
@@ -222,7 +251,18 @@ def load_tokenizer(path: str, revision: Optional[str] = None) -> Any:
     """The checkpoint's tokenizer via transformers (a local dir or a hub id)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(path, revision))
+    local = resolve_model_path(path, revision)
+    try:
+        return AutoTokenizer.from_pretrained(local)
+    except Exception as exc:  # transformers raises many types for missing or damaged files
+        raise ModelLoadError(f"cannot load the tokenizer from {local} ({type(exc).__name__}: "
+                             f"{_first_line(exc)}); check its tokenizer files") from None
+
+
+def _first_line(exc: Exception) -> str:
+    """Transformers' messages run to paragraphs; the CLI prints one line."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _as_id_set(value: Any) -> set[int]:
