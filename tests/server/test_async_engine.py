@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from vgraph import LLM, SamplingParams
-from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, RequestTooLargeError
 from vgraph.engine.stats import StepOutput
 from vgraph.models.demo import ensure_demo_model
 from vgraph.paths import cache_dir
@@ -97,8 +97,10 @@ def test_the_queue_limit(llm):
         engine.start()
         await engine.wait_ready()
         try:
-            with pytest.raises(QueueFullError):
+            with pytest.raises(RequestTooLargeError, match="could never be admitted"):  # 3 sequences > 2
                 await engine.add_requests([(f"q{i}", "hi", GREEDY) for i in range(3)])
+            with pytest.raises(RequestTooLargeError):  # sequences, not requests: n counts
+                await engine.add_requests([("q", "hi", SamplingParams(n=3, max_tokens=2))])
             collector = await engine.add_requests([("q", "hi", GREEDY)])
             while not collector.finished:
                 await collector.next()

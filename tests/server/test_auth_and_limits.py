@@ -12,8 +12,10 @@ from tests.server.conftest import EAGER_ARGS, ServerProcess
 
 KEY = "sk-test-0123456789"
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[bot]"
-V1_ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/demo-model-v1"), ("POST", "/v1/completions"),
-             ("POST", "/v1/chat/completions"), ("GET", "/v1/no-such-route")]
+PROTECTED_ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/demo-model-v1"), ("POST", "/v1/completions"),
+                    ("POST", "/v1/chat/completions"), ("GET", "/v1/no-such-route"), ("POST", "/tokenize"),
+                    ("POST", "/detokenize")]
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +32,13 @@ def guarded(tmp_path_factory):
         proc.close()
 
 
-@pytest.mark.parametrize("method,path", V1_ROUTES)
+@pytest.mark.parametrize("method,path", PROTECTED_ROUTES)
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                                     {"Authorization": f"Basic {KEY}"}], ids=["none", "wrong", "no-bearer", "basic"])
-def test_every_v1_route_needs_the_key(guarded, method, path, headers):
-    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                                     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"},
+                                     {"Authorization": f"Bearer: {KEY}"}],
+                         ids=["none", "wrong", "no-bearer", "basic", "longer", "colon"])
+def test_every_v1_route_and_the_tokenizer_routes_need_the_key(guarded, method, path, headers):
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tokens": [5]}
     response = httpx.request(method, guarded.url + path, json=body if method == "POST" else None,
                              headers=headers, timeout=30)
     assert response.status_code == 401, response.text
@@ -52,13 +56,21 @@ def test_the_right_key_works_and_open_routes_stay_open(guarded):
         guarded.client(api_key="wrong").completions.create(model="guarded", prompt="hi", max_tokens=2)
     for path in ("/health", "/version", "/metrics"):
         assert httpx.get(guarded.url + path, timeout=10).status_code == 200, path
-    assert guarded.post("/tokenize", {"prompt": "hi"}).status_code == 200
+    assert guarded.post("/tokenize", {"prompt": "hi"}, headers=AUTH).status_code == 200
+    assert guarded.post("/detokenize", {"tokens": [5]}, headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
+def test_the_scheme_is_case_insensitive(guarded, scheme):
+    headers = {"Authorization": f"{scheme}  {KEY}"}
+    assert httpx.get(guarded.url + "/v1/models", headers=headers, timeout=10).status_code == 200
+    assert guarded.post("/tokenize", {"prompt": "hi"}, headers=headers).status_code == 200
 
 
 def test_the_chat_template_flag_replaces_the_tokenizers(guarded):
     messages = [{"role": "user", "content": "hello"}]
-    tokens = guarded.post("/tokenize", {"messages": messages}).json()["tokens"]
-    assert guarded.post("/detokenize", {"tokens": tokens}).json()["prompt"] == "[user] hello\n[bot]"
+    tokens = guarded.post("/tokenize", {"messages": messages}, headers=AUTH).json()["tokens"]
+    assert guarded.post("/detokenize", {"tokens": tokens}, headers=AUTH).json()["prompt"] == "[user] hello\n[bot]"
     out = guarded.client(api_key=KEY).chat.completions.create(model="guarded", messages=messages, max_tokens=2)
     assert out.usage.prompt_tokens == len(tokens)
 
@@ -102,3 +114,23 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
     guarded.wait_idle()
     out = guarded.client(api_key=KEY).completions.create(model="guarded", prompt="after", max_tokens=2)
     assert out.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("path,changes,param", [
+    ("/v1/completions", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("/v1/completions", {"prompt": [[5, 6], [7], [8], [9]]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "n": 3}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+])
+def test_a_request_that_can_never_fit_the_queue_is_a_400(guarded, path, changes, param):
+    """--max-queue-len 2 counts sequences (prompts x n): more than 2 in one request could never
+    be admitted, so it is a 400 saying so, not a 503 that retrying never cures."""
+    body = {"model": "guarded", "max_tokens": 2, **changes}
+    response = guarded.post(path, body, headers=AUTH)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "too_many_sequences" and error["param"] == param, error
+    assert "--max-queue-len 2" in error["message"] and "never" in error["message"]
+    fits = guarded.post("/v1/completions", {"model": "guarded", "prompt": ["a", "b"], "max_tokens": 2}, headers=AUTH)
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2

@@ -47,7 +47,12 @@ class EngineNotReadyError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """More requests are waiting than ``max_queue_len`` allows; the caller should retry later."""
+    """More sequences are waiting than ``max_queue_len`` allows; the caller should retry later."""
+
+
+class RequestTooLargeError(ValueError):
+    """A submission has more sequences than ``max_queue_len``: it could never be admitted, so
+    retrying is pointless (a ``ValueError``: the caller's input is what must change)."""
 
 
 class OutputCollector:
@@ -113,7 +118,9 @@ class AsyncEngine:
     """Owns an ``LLMEngine`` on a background thread; requests in and outputs out via asyncio.
 
     ``engine_factory`` builds the engine (loading, and compiling unless eager) on the engine
-    thread. ``max_queue_len`` bounds the requests waiting to be scheduled (``None``: no bound).
+    thread. ``max_queue_len`` bounds the sequences waiting to be scheduled (``None``: no bound):
+    sequences, not requests, because that is what waits in the scheduler and costs memory, and
+    one request of 8 prompts with n=4 is 32 of them.
     ``on_step`` receives each engine step's ``StepOutput`` on the event loop, and after a batch
     of commands one with no outputs (the aborted requests' timings, the stats after the adds);
     ``on_fatal`` is called once on the event loop when the engine fails (at startup or later).
@@ -130,8 +137,9 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, OutputCollector] = {}
-        self._pending_adds = 0  # submitted requests the engine thread has not taken yet
+        self._pending_adds = 0  # sequences submitted that the engine thread has not taken yet
         self._unanswered: set[asyncio.Future] = set()  # acceptance futures of those submissions
+        self._traced: set[type] = set()  # exception types whose traceback was logged (engine thread)
         self._ready = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -141,6 +149,7 @@ class AsyncEngine:
         self.stats = EngineStats()  # the newest snapshot, updated on the event loop after each step
         # Set once ready: read-only facts about the engine, safe to use from the event loop.
         self.tokenizer: Any = None  # a private copy: Rust tokenizers must not be shared across threads
+        self.worker_tokenizer: Any = None  # another, for one worker thread of the caller's (large inputs)
         self.max_model_len = 0
         self.vocab_size = 0
         self.model_path = ""
@@ -191,17 +200,19 @@ class AsyncEngine:
 
     @property
     def queue_length(self) -> int:
-        """Requests submitted but not yet running: the last waiting count plus unseen submissions."""
+        """Sequences submitted but not yet running: the last waiting count plus unseen submissions."""
         return self.stats.num_waiting + self._pending_adds
 
     async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Submits requests atomically: all are accepted, or none is and the error is raised.
 
-        Raises ``ValueError`` for bad input (from ``LLMEngine.add_request``), ``QueueFullError``,
-        ``EngineNotReadyError`` or ``EngineDeadError``. Cancelling the caller while it waits
-        aborts whatever was accepted.
+        Raises ``ValueError`` for bad input (from ``LLMEngine.add_request``; its subclass
+        ``RequestTooLargeError`` when the items have more sequences than ``max_queue_len``),
+        ``QueueFullError``, ``EngineNotReadyError`` or ``EngineDeadError``. Cancelling the caller
+        while it waits aborts whatever was accepted.
         """
-        self._check_accepting(len(items))
+        sequences = _num_sequences(items)
+        self._check_accepting(sequences)
         collector = OutputCollector([rid for rid, _, _ in items])
         for rid in collector.request_ids:
             if rid in self._collectors:
@@ -209,7 +220,7 @@ class AsyncEngine:
         accepted = asyncio.get_running_loop().create_future()
         for rid in collector.request_ids:
             self._collectors[rid] = collector
-        self._pending_adds += len(items)
+        self._pending_adds += sequences
         self._unanswered.add(accepted)
         self._commands.put(_Add(list(items), collector, accepted, time.monotonic()))
         try:
@@ -241,16 +252,21 @@ class AsyncEngine:
         if ids and self._thread is not None and self._thread.is_alive():
             self._commands.put(_Abort(ids))
 
-    def _check_accepting(self, count: int) -> None:
+    def _check_accepting(self, sequences: int) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self.error}")
         if self._stopped.is_set():
             raise EngineDeadError("the engine is stopped")
         if not self._ready.is_set():
             raise EngineNotReadyError("the model is still loading")
-        if self.max_queue_len is not None and self.queue_length + count > self.max_queue_len:
-            raise QueueFullError(f"{self.queue_length} requests are already waiting "
-                                 f"(--max-queue-len {self.max_queue_len})")
+        limit = self.max_queue_len
+        if limit is not None and sequences > limit:
+            raise RequestTooLargeError(f"this request has {sequences} sequences (prompts x n) but at most {limit} "
+                                       f"may wait (--max-queue-len {limit}), so it could never be admitted; "
+                                       "send fewer prompts or a smaller n")
+        if limit is not None and self.queue_length + sequences > limit:
+            raise QueueFullError(f"{self.queue_length} sequences are already waiting and this request adds "
+                                 f"{sequences} (--max-queue-len {limit} counts prompts x n)")
 
     # ------------------------------------------------------------------ callbacks (event loop)
 
@@ -266,7 +282,7 @@ class AsyncEngine:
             self.on_fatal(error)
 
     def _on_accepted(self, command: _Add, error: Optional[BaseException]) -> None:
-        self._pending_adds -= len(command.items)
+        self._pending_adds -= _num_sequences(command.items)
         self._unanswered.discard(command.accepted)
         if not command.accepted.done():
             if error is None:
@@ -303,7 +319,8 @@ class AsyncEngine:
     def _thread_main(self) -> None:
         try:
             engine = self._factory()
-            facts = {"tokenizer": copy.deepcopy(engine.tokenizer), "max_model_len": engine.max_model_len,
+            facts = {"tokenizer": copy.deepcopy(engine.tokenizer), "worker_tokenizer": copy.deepcopy(engine.tokenizer),
+                     "max_model_len": engine.max_model_len,
                      "vocab_size": engine.vocab_size, "model_path": engine.config.model.model,
                      "max_logprobs": engine.config.max_logprobs, "eos_token_ids": engine.eos_token_ids,
                      "stats": engine.stats()}
@@ -358,8 +375,16 @@ class AsyncEngine:
             if len(command.items) > 1 and isinstance(exc, ValueError):
                 index = next(i for i, item in enumerate(command.items) if item[0] not in added)
                 exc = ValueError(f"prompt {index}: {exc}")
-            elif not isinstance(exc, ValueError):
-                logger.exception("adding a request failed")
+            elif not isinstance(exc, ValueError):  # one line per request; the traceback only when debugging
+                logger.error("adding request %s failed: %s: %s", command.items[0][0], type(exc).__name__, exc)
+                if type(exc) not in self._traced:
+                    self._traced.add(type(exc))
+                    logger.debug("adding a request failed (traceback logged once per exception type)", exc_info=exc)
             self._post(self._on_accepted, command, exc)
             return
         self._post(self._on_accepted, command, None)
+
+
+def _num_sequences(items: Sequence[tuple[str, PromptType, SamplingParams]]) -> int:
+    """What a submission adds to the scheduler's queue: n sequences per request."""
+    return sum(params.n for _, _, params in items)

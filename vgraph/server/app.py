@@ -20,7 +20,7 @@ from ..engine.llm_engine import LLMEngine
 from . import routes_chat, routes_completions, routes_misc
 from .auth import APIKeyMiddleware
 from .header_limit import HeaderLimitMiddleware
-from .errors import install_error_handlers
+from .errors import CatchAllMiddleware, install_error_handlers
 from .metrics import ServerMetrics
 from .state import ServerSettings, ServerState
 
@@ -49,6 +49,7 @@ def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine],
             state.shutting_down = True
             announce.cancel()
             await engine.shutdown()
+            state.close()
 
     app = FastAPI(title="vgraph", version=__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -58,7 +59,8 @@ def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine],
         app.include_router(module.router)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(HeaderLimitMiddleware)  # added last: runs first
+    app.add_middleware(HeaderLimitMiddleware)
+    app.add_middleware(CatchAllMiddleware)  # added last: runs first, so it sees every failure
     return app
 
 

@@ -1,20 +1,29 @@
-"""``--api-key``: every ``/v1`` route needs ``Authorization: Bearer <key>``.
+"""``--api-key``: every ``/v1`` route, ``/tokenize`` and ``/detokenize`` need
+``Authorization: Bearer <key>``.
 
 A plain ASGI middleware rather than a route dependency, so that it covers every path under
 ``/v1`` (unknown ones included: a 404 would tell an unauthenticated caller which routes exist)
-and runs before the body is read. ``/health``, ``/metrics`` and the other operational routes
-stay open, as in vLLM, for load balancers and scrapers. The comparison is constant-time
-(``hmac.compare_digest`` on bytes) so response timing leaks nothing about the key.
+and runs before the body is read. ``/tokenize`` and ``/detokenize`` are protected too: they
+run the tokenizer on whatever the caller sends, work an anonymous client should not be able
+to ask of a server that requires a key. ``/health``, ``/metrics`` and ``/version`` stay open,
+as in vLLM, for load balancers and scrapers.
+
+The scheme is case-insensitive (``bearer KEY`` works, as RFC 7235 says of auth schemes); the
+key is compared in constant time (``hmac.compare_digest`` on bytes) so response timing leaks
+nothing about it.
 """
 from __future__ import annotations
 
 import hmac
+import re
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import APIError, error_response
 
 PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
+_CREDENTIALS = re.compile(rb"\s*(\S+)[ \t]+(.*?)\s*\Z", re.S)
 
 
 class APIKeyMiddleware:
@@ -22,7 +31,7 @@ class APIKeyMiddleware:
         if not api_key:
             raise ValueError("the API key must not be empty")
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _protected(scope.get("path", "")) or scope.get("method") == "OPTIONS":
@@ -33,7 +42,7 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self._expected):
+        if hmac.compare_digest(bearer_token(given), self._key):
             await self.app(scope, receive, send)
             return
         message = "missing API key" if not given else "invalid API key"
@@ -43,5 +52,14 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
+def bearer_token(header: bytes) -> bytes:
+    """The credentials of a ``Bearer`` Authorization header (any case of the scheme, spaces or
+    tabs after it); ``b""`` for another scheme or none."""
+    match = _CREDENTIALS.match(header)
+    if match is None or match.group(1).lower() != b"bearer":
+        return b""
+    return match.group(2)
+
+
 def _protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return path in PROTECTED_PATHS or path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")

@@ -3,16 +3,24 @@
 Every failure the server reports, whatever raised it (validation, the engine, Starlette's
 own 404/405, an unexpected bug), leaves through ``error_response`` so that clients such as the
 ``openai`` package can parse it and map the status to their exception classes.
+
+Unexpected exceptions stop at ``CatchAllMiddleware``: one log line per failed request (the
+traceback at DEBUG, once per place of failure), a 500 in the same shape, and the connection
+stays usable. Starlette's own last resort would send its 500 and then re-raise, so that uvicorn
+logged a second full traceback and closed a keep-alive connection the client was never told
+about (no ``Connection: close``).
 """
 from __future__ import annotations
 
 import json
 import logging
+import traceback
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger("vgraph.server")
 
@@ -20,12 +28,20 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
           503: "service_unavailable_error"}
 
+# Where failures were already logged with their traceback: (exception type, file, line). Bounded,
+# so a stream of distinct failures cannot grow it without end.
+_TRACED: set[tuple[str, str, int]] = set()
+_MAX_TRACED = 256
+
 
 class APIError(Exception):
     """An error with its HTTP status, OpenAI error type/code, the offending field and headers."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
                  type: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
+        # A message may quote input (a model name, a template error); lone surrogates in it
+        # would make the response itself fail to encode, so they are written as escapes.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.message = message
@@ -50,8 +66,60 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+def log_failure(what: str, exc: BaseException) -> None:
+    """Logs a request's unexpected failure as one ERROR line.
+
+    A failure that repeats (the same bug hit by every request) would otherwise flood the log
+    with a 70-line traceback each time; the traceback is logged at DEBUG the first time its
+    place of failure is seen, which is all a developer needs to find it.
+    """
+    logger.error("%s: %s: %s", what, type(exc).__name__, exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    site = (type(exc).__name__, frames[-1].filename, frames[-1].lineno or 0) if frames else (type(exc).__name__, "", 0)
+    if site not in _TRACED and len(_TRACED) < _MAX_TRACED:
+        _TRACED.add(site)
+        logger.debug("traceback of %s (logged once)", what, exc_info=exc)
+
+
+def internal_error(what: str, exc: BaseException) -> APIError:
+    """Logs an unexpected failure (see ``log_failure``) and returns the 500 that reports it."""
+    log_failure(what, exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+class CatchAllMiddleware:
+    """The last resort: an exception no handler took becomes a logged 500 on a usable connection.
+
+    When the response has already started (a stream), nothing well-formed can be sent any more:
+    the exception is logged and swallowed, and uvicorn closes the connection because the
+    response never completed, which the client sees as a truncated response.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            error = internal_error(f"{scope.get('method', '')} {scope.get('path', '')} failed", exc)
+            if not started:
+                await error_response(error)(scope, receive, send)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Routes Starlette's HTTP errors and unexpected exceptions into the OpenAI error shape."""
+    """Routes ``APIError`` and Starlette's HTTP errors into the OpenAI error shape (anything
+    else is ``CatchAllMiddleware``'s)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -61,8 +129,3 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         return error_response(APIError(exc.status_code, message, headers=dict(exc.headers or {})))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))

@@ -9,17 +9,18 @@ rejected explicitly instead of being ignored.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal, Optional, Union
 
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..sampling_params import SamplingParams
-from .errors import APIError, bad_request
+from .errors import bad_request
 
 MAX_N = 128  # choices per prompt, OpenAI's limit
+# Seeds seed torch's 64-bit generator, and choice i of a request uses seed + i: a signed 64-bit
+# seed plus at most MAX_N - 1 still fits the unsigned 64 bits torch accepts.
+SEED_RANGE = (-2**63, 2**63 - 1)
 
 
 class _Strict(BaseModel):
@@ -59,8 +60,16 @@ class _GenerationFields(_Strict):
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
         if self.n > MAX_N:
             raise bad_request(f"n must be at most {MAX_N}, got {self.n}", "n")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad_request(f"seed must be a 64-bit signed integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]; "
+                              f"got {self.seed}", "seed", code="seed_out_of_range")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (OpenAI accepts one string or a list)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:
@@ -110,6 +119,10 @@ class CompletionRequest(_GenerationFields):
             prompts = list(p)
         if not prompts:
             raise bad_request("prompt is empty", "prompt")
+        for i, prompt in enumerate(prompts):
+            if prompt == "":  # token-id prompts are the engine's to check, as offline
+                where = "the prompt" if len(prompts) == 1 else f"prompt {i}: the prompt"
+                raise bad_request(f"{where} is empty", "prompt")
         return prompts
 
     def check(self) -> None:
@@ -209,45 +222,13 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-# ----------------------------------------------------------------------------- body parsing
+# ----------------------------------------------------------------------------- validation
 
 
 def param_from_message(message: str) -> Optional[str]:
     """SamplingParams messages start with the field name ("top_p must be ..."); return it."""
     match = re.match(r"[a-z_]+", message)
     return match.group(0) if match and match.group(0) in SamplingParams.__dataclass_fields__ else None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, with the content type, size and syntax checked."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";", 1)[0].strip().lower() != "application/json":
-        raise bad_request(f"Content-Type must be application/json, got {content_type or 'none'!r}",
-                          code="invalid_content_type")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise _too_large(max_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(max_bytes)
-    try:
-        obj = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise bad_request(f"the request body must be a JSON object, got {type(obj).__name__}",
-                          code="invalid_json")
-    return obj
-
-
-def _too_large(max_bytes: int) -> APIError:
-    return APIError(413, f"the request body exceeds {max_bytes} bytes", code="request_too_large")
 
 
 def validate(model_cls: type[_Strict], obj: dict[str, Any]) -> Any:

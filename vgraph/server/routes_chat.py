@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .errors import APIError
+from .errors import APIError, internal_error
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .state import ServerState, usage
@@ -29,11 +29,11 @@ router = APIRouter()
 async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
-    text, ids = state.encode_chat(body.template_messages(), body.add_generation_prompt)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
                                   body.field_names)
+    text, ids = await state.encode_chat(body.template_messages(), body.add_generation_prompt, params.n)
     job = _Chat(state, body, model, params)
-    collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)])
+    collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)], "messages")
     if body.stream:
         return SSEResponse(job.stream(collector))
     finals = await state.wait_finished(request, collector)
@@ -88,6 +88,8 @@ class _Chat:
                 yield sse({**self._envelope("chat.completion.chunk", []), "usage": usage([latest])})
         except EngineDeadError as exc:
             yield APIError(500, str(exc), code="engine_error").sse_chunk()
+        except Exception as exc:  # a bug while building a chunk: end the stream properly, log one line
+            yield internal_error("a chat stream failed", exc).sse_chunk()
         finally:
             if not collector.finished:
                 self.state.engine.abort([self.id])

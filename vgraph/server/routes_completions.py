@@ -3,12 +3,16 @@
 A batch of prompts becomes one engine request per prompt, submitted atomically (a bad prompt
 anywhere rejects the whole call with nothing left running). Choice ``index`` is
 ``prompt_index * n + i``, as in OpenAI's API.
+
+Text prompts are tokenized here, within the request limits (limits.py) and off the event loop
+when large (tokenization.py), and reach the engine as token ids with their text: the engine
+thread, which steps every running request, never waits on a tokenizer.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -16,10 +20,11 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .errors import APIError
+from ..engine.inputs import PromptType
+from .errors import APIError, internal_error
 from .logprobs import completion_logprobs
 from .protocol import CompletionRequest
-from .state import ServerState, prompt_text, usage
+from .state import ServerState, usage
 from .streaming import DONE, DeltaTracker, SSEResponse, sse
 
 router = APIRouter()
@@ -31,25 +36,46 @@ async def create_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, CompletionRequest)
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
-    job = _Completion(state, body, model, params, len(prompts))
-    collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, prompts)])
+    inputs = await _engine_inputs(state, prompts, params.n)
+    echoes = [await _echo_text(state, p) if body.echo else "" for p in prompts]
+    job = _Completion(state, body, model, params, echoes)
+    collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])
     if body.stream:
         return SSEResponse(job.stream(collector))
     finals = await state.wait_finished(request, collector)
     return JSONResponse(job.response([finals[rid] for rid in job.ids]))
 
 
+async def _engine_inputs(state: ServerState, prompts: list[Union[str, list[int]]], n: int) -> list[PromptType]:
+    """Each prompt as the engine takes it: token ids, with the text when there is one. Checked
+    against the limits before tokenizing (characters, counts) and after (tokens)."""
+    limits = state.limits
+    limits.check_prompts(prompts, n)
+
+    def check(i: int, ids: list[int]) -> None:
+        limits.check_tokens(len(ids), "the prompt" if len(prompts) == 1 else f"prompt {i}", "prompt")
+
+    ids = await state.tokenizer.encode_prompts(prompts, check)
+    return [{"prompt": p, "prompt_token_ids": t} if isinstance(p, str) else t for p, t in zip(prompts, ids)]
+
+
+async def _echo_text(state: ServerState, prompt: Union[str, list[int]]) -> str:
+    """The prompt as ``echo`` shows it: as given, or decoded from its token ids."""
+    return prompt if isinstance(prompt, str) else await state.tokenizer.decode(prompt, param="prompt")
+
+
 class _Completion:
     """One completions call: builds its response, or its stream of chunks."""
 
     def __init__(self, state: ServerState, body: CompletionRequest, model: str, params: SamplingParams,
-                 num_prompts: int) -> None:
+                 echoes: list[str]) -> None:
         self.state = state
         self.body = body
         self.model = model
         self.params = params
+        self.echoes = echoes  # per prompt: the text echo puts before the completion ("" without echo)
         self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.ids = [f"{self.id}-{i}" for i in range(num_prompts)]
+        self.ids = [f"{self.id}-{i}" for i in range(len(echoes))]
         self.prompt_index = {rid: i for i, rid in enumerate(self.ids)}
         self.created = int(time.time())
 
@@ -63,7 +89,7 @@ class _Completion:
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for p, output in enumerate(outputs):
-            prefix = prompt_text(self.state, output) if self.body.echo else ""
+            prefix = self.echoes[p]
             for c in output.outputs:
                 logprobs = None
                 if self.params.logprobs is not None:
@@ -86,7 +112,7 @@ class _Completion:
                     for c in output.outputs:
                         key = (p, c.index)
                         if key not in trackers:
-                            prefix = prompt_text(self.state, output) if self.body.echo else ""
+                            prefix = self.echoes[p]
                             trackers[key] = DeltaTracker(self.params, prefix)
                             offsets[key] = len(prefix)
                         chunk = self._chunk_choice(p, c, trackers[key], offsets, key)
@@ -96,6 +122,8 @@ class _Completion:
                 yield sse({**self._envelope([]), "usage": usage([latest[rid] for rid in self.ids])})
         except EngineDeadError as exc:
             yield APIError(500, str(exc), code="engine_error").sse_chunk()
+        except Exception as exc:  # a bug while building a chunk: end the stream properly, log one line
+            yield internal_error("a completions stream failed", exc).sse_chunk()
         finally:
             if not collector.finished:
                 self.state.engine.abort(self.ids)

@@ -1,8 +1,16 @@
 """The small routes: ``/v1/models``, ``/health``, ``/version``, ``/tokenize``, ``/detokenize``,
-``/metrics``. Tokenization runs on the event loop with the server's own tokenizer copy (a
-few microseconds for a prompt), never on the engine's."""
+``/metrics``.
+
+``/tokenize`` and ``/detokenize`` use the server's own tokenizer copies, never the engine's:
+short inputs on the event loop, long ones on the tokenizer's worker thread (tokenization.py),
+within the request limits (limits.py). With ``--api-key`` they need the key like ``/v1``
+(auth.py): they run the tokenizer on the caller's input, which is work an anonymous client
+should not be able to ask for. ``/v1/models`` reports the engine's own ``max_model_len``.
+"""
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,8 +19,11 @@ from fastapi.responses import JSONResponse, Response
 from .. import __version__
 from .errors import APIError, bad_request
 from .metrics import CONTENT_TYPE
-from .protocol import DetokenizeRequest, TokenizeRequest, read_json_object, validate
+from .protocol import DetokenizeRequest, TokenizeRequest
 from .state import ServerState
+
+# Responses with more token ids than this are serialized off the event loop.
+OFFLOAD_IDS = 16_384
 
 router = APIRouter()
 
@@ -59,33 +70,44 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.post("/tokenize")
-async def tokenize(request: Request) -> dict[str, Any]:
+async def tokenize(request: Request) -> Response:
+    """Token ids of a prompt, or of chat messages rendered by the template. The prompt (or the
+    messages' text) must be within the character limit; the count is reported whatever it is."""
     state = _state(request)
-    body = validate(TokenizeRequest, await read_json_object(request, state.settings.max_body_bytes))
+    body = await state.read(request, TokenizeRequest)
     body.check()
     state.resolve_model(body.model)
     state.require_ready()
     if body.messages is not None:
         messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
-        _, tokens = state.encode_chat(messages, body.add_generation_prompt)
+        _, tokens = await state.encode_chat(messages, body.add_generation_prompt, limit_tokens=False)
     else:
-        tokens = list(state.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-    return {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
+        state.limits.check_chars(len(body.prompt), "the prompt", "prompt")
+        tokens = await state.tokenizer.encode(body.prompt, body.add_special_tokens)
+    result = {"count": len(tokens), "max_model_len": state.engine.max_model_len, "tokens": tokens}
+    return await _json(result, large=len(tokens) > OFFLOAD_IDS)
 
 
 @router.post("/detokenize")
 async def detokenize(request: Request) -> dict[str, Any]:
     state = _state(request)
-    body = validate(DetokenizeRequest, await read_json_object(request, state.settings.max_body_bytes))
+    body = await state.read(request, DetokenizeRequest)
     state.resolve_model(body.model)
     state.require_ready()
+    state.limits.check_detokenize(len(body.tokens))
     vocab = state.engine.vocab_size
-    bad = [t for t in body.tokens if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-    text = state.engine.tokenizer.decode(body.tokens, skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
-    return {"prompt": text}
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+    return {"prompt": await state.tokenizer.decode(body.tokens)}
+
+
+async def _json(content: Any, large: bool) -> Response:
+    """A JSON response, serialized on a worker thread when ``large``."""
+    if not large:
+        return JSONResponse(content)
+    data = await asyncio.to_thread(lambda: json.dumps(content, separators=(",", ":")).encode())
+    return Response(data, media_type="application/json")
 
 
 @router.get("/metrics")

@@ -1,4 +1,5 @@
-"""What every route shares: settings, the async engine, metrics, and the engine-error mapping."""
+"""What every route shares: settings, the async engine, its tokenizer and limits, metrics, and
+the engine-error mapping."""
 from __future__ import annotations
 
 import logging
@@ -9,19 +10,26 @@ from typing import Any, Callable, Optional, Sequence
 from fastapi import Request
 
 from ..engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError, OutputCollector,
-                                   QueueFullError)
+                                   QueueFullError, RequestTooLargeError)
 from ..engine.inputs import PromptType
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from .errors import APIError, bad_request
+from .body import read_request
+from .errors import APIError, bad_request, internal_error
+from .limits import Limits
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
-from .protocol import param_from_message, read_json_object, validate
+from .protocol import param_from_message
 from .streaming import DisconnectWatch
+from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+# Flat fields, each a --flag (see the CLI); none of them can be below 1.
+_AT_LEAST_ONE = ("max_json_depth", "max_prompt_chars", "max_prompt_tokens", "max_prompts_per_request",
+                 "max_sequences_per_request", "max_messages", "max_stop_strings", "max_stop_string_chars",
+                 "max_stop_token_ids")
 
 
 @dataclass
@@ -51,9 +59,31 @@ class ServerSettings:
                 "over it, the connection waiting longest for its request headers is closed, or the "
                 "new one gets 503"})
 
+    # What one request may ask for (see limits.py); each refusal is a 400 naming the limit.
+    max_json_depth: int = field(default=64, metadata={
+        "help": "levels JSON arrays and objects may nest in a request body (deeper: 400, before parsing)"})
+    max_prompt_chars: Optional[int] = field(default=None, metadata={
+        "help": "characters a prompt (or a chat request's messages together) may have, checked before "
+                "tokenizing (default: 32 per token of max_model_len)"})
+    max_prompt_tokens: Optional[int] = field(default=None, metadata={
+        "help": "tokens a prompt may have (default and ceiling: max_model_len - 1)"})
+    max_prompts_per_request: int = field(default=256, metadata={
+        "help": "prompts one /v1/completions request may batch"})
+    max_sequences_per_request: int = field(default=1024, metadata={
+        "help": "sequences (prompts x n) one request may ask for"})
+    max_messages: int = field(default=2048, metadata={
+        "help": "messages one chat request (or /tokenize) may have"})
+    max_stop_strings: int = field(default=64, metadata={"help": "stop strings one request may give"})
+    max_stop_string_chars: int = field(default=1024, metadata={"help": "characters each stop string may have"})
+    max_stop_token_ids: int = field(default=64, metadata={"help": "stop_token_ids one request may give"})
+
     def __post_init__(self) -> None:
         if not self.served_model_names:
             raise ValueError("at least one served model name is needed")
+        for name in _AT_LEAST_ONE:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         for name in ("header_timeout", "body_timeout", "stall_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -70,6 +100,12 @@ class ServerState:
         self.shutting_down = False  # the lifespan is stopping the engine
         self.exit_requested: Callable[[], bool] = lambda: False  # set by lifecycle: a drain has begun
         self._token_texts: Optional[TokenTexts] = None
+        self._tokenizer: Optional[ServerTokenizer] = None
+
+    def close(self) -> None:
+        """Stops the tokenizer's worker thread (the lifespan's end)."""
+        if self._tokenizer is not None:
+            self._tokenizer.close()
 
     @property
     def model_name(self) -> str:
@@ -80,6 +116,18 @@ class ServerState:
         if self._token_texts is None:
             self._token_texts = TokenTexts(self.engine.tokenizer)
         return self._token_texts
+
+    @property
+    def tokenizer(self) -> ServerTokenizer:
+        """The routes' tokenizer (needs the engine ready: ``require_ready`` first)."""
+        if self._tokenizer is None:
+            self._tokenizer = ServerTokenizer(self.engine.tokenizer, self.engine.worker_tokenizer)
+        return self._tokenizer
+
+    @property
+    def limits(self) -> Limits:
+        """The per-request limits, with the engine's max_model_len (``require_ready`` first)."""
+        return Limits.resolve(self.settings, self.engine.max_model_len)
 
     def resolve_model(self, name: Optional[str]) -> str:
         """The served name a request asked for (the first one when it names none); else 404."""
@@ -99,19 +147,31 @@ class ServerState:
         if not engine.ready:
             raise APIError(503, "the model is still loading", code="not_ready", headers={"Retry-After": "5"})
 
+    async def read(self, request: Request, schema: type) -> Any:
+        """The body as ``schema``, after the size, syntax, depth and Unicode checks (body.py)."""
+        settings = self.settings
+        return await read_request(request, schema, max_bytes=settings.max_body_bytes,
+                                  max_depth=settings.max_json_depth)
+
     async def read_generation_request(self, request: Request, schema: type) -> tuple[Any, str]:
-        """The body of a generation route, validated against ``schema`` and its own checks, and
-        the model it resolves to, once the engine is ready: the preamble both routes share."""
-        body = validate(schema, await read_json_object(request, self.settings.max_body_bytes))
+        """The body of a generation route, validated against ``schema``, its own checks and the
+        stop limits, and the model it resolves to, once the engine is ready: the preamble both
+        routes share."""
+        body = await self.read(request, schema)
         body.check()
         model = self.resolve_model(body.model)
         self.require_ready()
+        self.limits.check_stops(body.stop_strings, body.stop_token_ids)
         return body, model
 
-    async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
+    async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
+                     prompt_param: str = "prompt") -> OutputCollector:
         """Hands requests to the engine, mapping its refusals to HTTP errors."""
         try:
             return await self.engine.add_requests(items)
+        except RequestTooLargeError as exc:
+            many = any(params.n > 1 for _, _, params in items)
+            raise bad_request(str(exc), "n" if many else prompt_param, code="too_many_sequences") from None
         except ValueError as exc:
             raise bad_request(str(exc), param_from_message(str(exc))) from None
         except QueueFullError as exc:
@@ -122,9 +182,9 @@ class ServerState:
         except EngineDeadError as exc:
             raise APIError(503, str(exc), code="engine_dead") from None
         except Exception as exc:  # the engine failed this request without dying
-            logger.exception("the engine failed to add a request")
-            raise APIError(500, f"the engine failed the request: {type(exc).__name__}: {exc}",
-                           code="engine_error") from None
+            error = internal_error("the engine failed to add a request", exc)
+            error.code = "engine_error"
+            raise error from None
 
     async def wait_finished(self, request: Request, collector: OutputCollector) -> dict[str, RequestOutput]:
         """The final output of each request; aborts them if the client disconnects first."""
@@ -147,31 +207,25 @@ class ServerState:
         self.engine.abort(collector.request_ids)
         collector._fail(_ClientGone())
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """Renders the chat template (``--chat-template`` or the tokenizer's) and tokenizes it."""
-        tokenizer = self.engine.tokenizer
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, n: int = 1,
+                          limit_tokens: bool = True) -> tuple[str, list[int]]:
+        """Renders the chat template (``--chat-template`` or the tokenizer's) and tokenizes it,
+        within the message and character limits and, with ``limit_tokens``, the token limit
+        (``/tokenize`` reports any count)."""
+        limits = self.limits
+        limits.check_messages(messages, n)
         template = self.settings.chat_template
-        if template is None and not getattr(tokenizer, "chat_template", None):
+        if template is None and not getattr(self.engine.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; start the server with "
                               "--chat-template", "messages", code="no_chat_template")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                                 add_generation_prompt=add_generation_prompt)
-        except Exception as exc:  # template errors (raise_exception, bad roles) are the caller's
-            raise bad_request(f"the chat template failed on these messages: {exc}", "messages") from None
-        return text, list(tokenizer.encode(text, add_special_tokens=False))
+        text, ids = await self.tokenizer.render_chat(messages, template, add_generation_prompt)
+        if limit_tokens:
+            limits.check_tokens(len(ids), "the rendered messages", "messages")
+        return text, ids
 
 
 class _ClientGone(Exception):
     """Raised into a waiting handler when its client has disconnected."""
-
-
-def prompt_text(state: ServerState, output: RequestOutput) -> str:
-    """The prompt as text: as given, or decoded from its token ids."""
-    if output.prompt is not None:
-        return output.prompt
-    return state.engine.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False)
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
