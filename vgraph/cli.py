@@ -2,18 +2,34 @@
 
 Sub-commands import their heavy modules lazily, so ``vgraph --help`` is instant and a bad
 flag fails before torch loads. User errors print one line and exit 2, never a traceback.
+Engine and server options are made from the fields of their dataclasses (``cli_options``).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import enum
+import errno
 import importlib
 import logging
 import os
+import re
+import socket
 import sys
-import typing
 from typing import Any, Callable, Optional, Sequence
+
+from . import __version__, logging_setup
+from .cli_options import add_field_options
+
+DESCRIPTION = (
+    "vgraph runs Hugging Face decoder models (Llama, Mistral, Qwen2, Qwen3) through torch.compile "
+    "and CUDA graphs. Commands: serve starts an OpenAI-compatible HTTP server; generate completes "
+    "prompts offline; compile fills the compile cache so later starts are warm; cache lists or "
+    "clears that cache; ops lists vgraph's custom ops or checks their Triton kernels; doctor checks "
+    "the CUDA path on this machine. serve, generate and compile take a model (a local Hugging Face "
+    "directory or a hub id) and run the built-in demo model without one. 'vgraph COMMAND --help' "
+    "lists a command's options.")
+EPILOG = ("environment: VGRAPH_CACHE_DIR (compile cache and demo model; default ~/.cache/vgraph), "
+          "VGRAPH_LOGGING_LEVEL (default level of --log-level), VGRAPH_API_KEY (serve's --api-key)")
+LOG_LEVELS = list(logging_setup.LEVELS)
 
 
 class UserError(Exception):
@@ -88,86 +104,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     named, typed, defaulted and documented from the field, so flags, ``LLM(**kwargs)`` and the
     config cannot disagree. The dest of each option is the field's name."""
     from vgraph.config import SECTIONS
+    notes = _here_notes()
     for section, kind in SECTIONS.items():
         group = p.add_argument_group(f"engine options ({kind.__name__})")
-        hints = typing.get_type_hints(kind)
-        for f in dataclasses.fields(kind):
-            if not (section == "engine" and f.name in SECTIONS):  # not EngineConfig.model, .cache...
-                flag, options = _field_option(f, hints[f.name])
-                group.add_argument(flag, **options)
+        add_field_options(group, kind, skip=SECTIONS if section == "engine" else (), notes=notes)
 
 
-def _field_option(f: dataclasses.Field, hint: Any) -> tuple[str, dict[str, Any]]:
-    """The flag and ``add_argument`` keywords of one config field (see ``vgraph.config.cli``)."""
-    meta, default = f.metadata, _field_default(f)
-    flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-    options: dict[str, Any] = {"dest": f.name, "default": default}
-    if "value" in meta:  # e.g. --enforce-eager stores CompileLevel.NONE into level
-        return flag, {**options, "action": "store_const", "const": meta["value"],
-                      "help": _help(f"{meta['help']}; sets {f.name}={_shown(meta['value'])}", default)}
-    if hint is bool or hint == Optional[bool]:
-        return _bool_option(f, flag, options)
-    options.update(type=_scalar_type(hint), metavar=flag.lstrip("-").replace("-", "_").upper(),
-                   help=_help(meta["help"], default))
-    if "nargs" in meta:
-        options.update(nargs=meta["nargs"])
-    elif typing.get_origin(hint) is list or hint is list:
-        options.update(action="append")  # a list given one value per flag (--pass A --pass B)
-    if "choices" in meta:
-        options.update(choices=meta["choices"], metavar=None)
-    return flag, options
+def _here_notes() -> dict[str, str]:
+    """What the device-dependent defaults come to on this machine, for their help: the help
+    says the rule per device, this says which side of it the user is on."""
+    import torch
 
-
-def _bool_option(f: dataclasses.Field, flag: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """True by default with a ``negative`` flag: that flag turns it off. Unset by default (None):
-    ``--x`` / ``--no-x``. False by default: the flag turns it on."""
-    meta, default = f.metadata, options["default"]
-    if default is None:
-        return flag, {**options, "action": argparse.BooleanOptionalAction, "help": _help(meta["help"], None)}
-    if default:
-        return meta["negative"], {**options, "action": "store_false",
-                                  "help": _escape(f"off: {meta['help']} (on by default)")}
-    return flag, {**options, "action": "store_true", "help": _escape(f"{meta['help']} (off by default)")}
-
-
-def _field_default(f: dataclasses.Field) -> Any:
-    """The dataclass default (a fresh one from a factory); None for a required field (the model:
-    none given means the demo model)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return None
-
-
-def _scalar_type(hint: Any) -> Callable[[str], Any]:
-    """What argparse converts each value with: the annotation without Optional or list[...].
-    Anything but int and float stays a str (``torch.dtype``, ``CudaGraphMode``): the config
-    converts those itself, and their choices are strings, so a bad one is argparse's "invalid
-    choice" naming them."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if args:  # list[X], Optional[X], X | Y: the first
-        return _scalar_type(args[0])
-    return hint if hint in (int, float) else str
-
-
-def _help(text: str, default: Any) -> str:
-    """The field's help, and its default unless the help already explains it."""
-    if "default:" in text.lower():
-        return _escape(text)
-    return _escape(f"{text} (default: {_shown(default)})")
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if isinstance(value, list):
-        return " ".join(map(_shown, value)) or "none"
-    return "none" if value is None else str(value)
-
-
-def _escape(text: str) -> str:
-    return text.replace("%", "%%")  # argparse %-formats help strings
+    from vgraph.config import CompileConfig
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    default = CompileConfig()
+    custom_ops = "on" if default.resolved_custom_ops(kind, quantized=False) else "off"
+    return {"device": f"on this machine: {kind}",
+            "cudagraph_mode": f"on this machine ({kind}): {default.resolved_graph_mode(kind).value}",
+            "custom_ops": f"on this machine ({kind}, compiled, unquantized): {custom_ops}"}
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,22 +155,67 @@ def _load_pass(spec: str) -> Any:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--sampling-seed", type=int, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--n", type=int, default=1)
+    """generate's sampling flags: SamplingParams fields, greedy by default."""
+    g = p.add_argument_group("sampling options (SamplingParams)")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per completion (default: 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    g.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest tokens (default: -1, off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the likeliest one's probability (default: 0.0, off)")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of the sampling (default: none, i.e. unseeded; --seed seeds the engine)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides the logits of tokens seen so far (default: 1.0, off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from tokens already generated (default: 0.0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per earlier occurrence of a token (default: 0.0)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable; default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after end-of-sequence (off by default)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
+
+
+def _add_model_positional(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help=f"the model to {verb}: a local Hugging Face directory or a hub id (same as --model; "
+                        "default: the built-in demo model, also named demo-model-v1)")
+
+
+def _merge_model(args: argparse.Namespace) -> None:
+    """``MODEL`` and ``--model`` are one setting; giving two different ones is an error."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise UserError(f"two models given: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
+# A Hugging Face Hub id: "name" or "owner/name", letters, digits, "-", "_" and ".".
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _check_model(model: str) -> None:
+    """Rejects a model that can only fail, before anything loads or listens: a path that is
+    not a directory, a directory without config.json, a name that is no hub id. A well-formed
+    hub id passes (fetching it is the loader's job, and its error is as clear)."""
+    from vgraph.models.demo import DEMO_MODEL_NAME
+    path = os.path.expanduser(model)
+    if model == DEMO_MODEL_NAME or os.path.isdir(path):
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            raise UserError(f"model directory {model!r} has no config.json (not a Hugging Face model directory)")
+        return
+    if os.path.exists(path) or model.startswith(("/", "./", "../", "~")):
+        missing = "" if os.path.exists(path) else " (nothing exists there)"
+        raise UserError(f"model path {model!r} is not a directory{missing}")
+    if not _HUB_ID.fullmatch(model) or ".." in model:
+        raise UserError(f"model {model!r} is neither a local directory nor a Hugging Face Hub id (owner/name)")
 
 
 def _model_path(args: argparse.Namespace) -> str:
     if args.model:
+        _check_model(args.model)
         return args.model
     from vgraph.models.demo import ensure_demo_model
     from vgraph.paths import cache_dir
@@ -302,22 +301,64 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The server's own flags (named as in vLLM); the engine's come from ``_add_engine_args``."""
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="the model to serve (same as --model; default: the demo model)")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", nargs="+", default=None,
+    """The server's own flags that no ServerSettings field describes (named as in vLLM); the
+    settings' and the engine's come deferred (``_add_serve_deferred``)."""
+    _add_model_positional(p, "serve")
+    g = p.add_argument_group("server options")
+    g.add_argument("--host", default="0.0.0.0", help="address to listen on (default: 0.0.0.0, all interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model' (default: the model as given, or demo-model-v1)")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VGRAPH_API_KEY)")
-    p.add_argument("--chat-template", default=None,
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $VGRAPH_API_KEY, else none)")
+    g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
-    p.add_argument("--max-queue-len", type=int, default=1024,
-                   help="requests waiting to be scheduled before new ones get 503 + Retry-After")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM (default: 30.0)")
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request (off by default)")
+
+
+def _add_serve_deferred(p: argparse.ArgumentParser) -> None:
+    """The ServerSettings fields with help (one flag each, as the engine's) and the engine's."""
+    from vgraph.server.state import ServerSettings
+    add_field_options(p.add_argument_group("server limits (ServerSettings)"), ServerSettings)
+    _add_engine_args(p)
+
+
+def _server_settings(args: argparse.Namespace, model: Optional[str]):
+    """ServerSettings from the parsed flags: every field with help from its own flag, the rest
+    from the hand-written ones. A bad value is the dataclass's ValueError (exit 2)."""
+    import dataclasses
+
+    from vgraph.models.demo import DEMO_MODEL_NAME
+    from vgraph.server.state import ServerSettings
+    flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerSettings) if "help" in f.metadata}
+    return ServerSettings(served_model_names=args.served_model_name or [model or DEMO_MODEL_NAME],
+                          api_key=args.api_key or os.environ.get("VGRAPH_API_KEY") or None,
+                          chat_template=_chat_template(args.chat_template), **flagged)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now, before the model loads: a port in use is one
+    line and exit 2 at once (not an uvicorn error after minutes of compiling), and uvicorn is
+    handed this very socket, so nothing can take the port in between."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(_bind_error(host, port, exc)) from None
+    return sock
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> str:
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use (another server is listening there); choose another --port"
+    if exc.errno == errno.EACCES:
+        return f"port {port} on {host}: permission denied (ports below 1024 need privileges)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
 def _chat_template(value: Optional[str]) -> Optional[str]:
@@ -333,14 +374,13 @@ def _chat_template(value: Optional[str]) -> Optional[str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    """Serves the OpenAI-compatible API until SIGTERM (exit 0) or a fatal engine error (exit 1)."""
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise UserError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
-        args.model = args.model_tag
+    """Serves the OpenAI-compatible API until SIGTERM (exit 0) or a fatal engine error (exit 1).
+
+    Everything that can be wrong with the command line is checked first, then the port is
+    bound; only then does the model load (on the engine thread, /health 503 meanwhile)."""
     for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
                              ("--shutdown-timeout", args.shutdown_timeout, 0)):
-        if value < low:
+        if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be at most 65535, got {args.port}")
@@ -353,37 +393,46 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from vgraph.config import EngineConfig
     from vgraph.models.demo import DEMO_MODEL_NAME
     from vgraph.server.lifecycle import serve
-    from vgraph.server.state import ServerSettings
-    default_name = args.model if args.model else DEMO_MODEL_NAME
-    settings = ServerSettings(served_model_names=args.served_model_name or [default_name],
-                              api_key=args.api_key or os.environ.get("VGRAPH_API_KEY") or None,
-                              chat_template=_chat_template(args.chat_template), max_queue_len=args.max_queue_len)
-
+    settings = _server_settings(args, args.model)
     kwargs = _engine_kwargs(args)
     EngineConfig.from_kwargs(args.model or DEMO_MODEL_NAME, **kwargs)  # bad values: exit 2, not a dead engine
+    if args.model:
+        _check_model(args.model)
+    sock = _listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
+                                            "is loaded)", f"[{host}]" if ":" in host else host, port)
 
     def build_engine():
         """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
         return _llm_from_args(args, kwargs).engine
 
-    return serve(settings, build_engine, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-                 log_level=args.log_level, access_log=args.access_log)
+    with sock:
+        return serve(settings, build_engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
+                     log_level=args.log_level, access_log=args.access_log, sockets=[sock])
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vgraph", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
+    parser = argparse.ArgumentParser(prog="vgraph", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action=_Version, help="print vgraph's version (and torch's, triton's, "
+                                                              "transformers', Python's) and exit")
+    _add_global_options(parser, argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser, metavar="COMMAND")
     ops = sub.add_parser("ops", help="list the custom ops or check every Triton kernel against its reference")
-    ops.add_argument("action", choices=["list", "check"])
-    ops.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ops.add_argument("action", choices=["list", "check"],
+                     help="list: print each op's schema; check: run every Triton kernel against its plain-torch "
+                          "reference and print the errors (interpreted on CPU, compiled on CUDA)")
+    ops.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where the kernels run (default: auto, cuda when available, else cpu)")
     ops.set_defaults(handler=_cmd_ops)
     gen = sub.add_parser("generate", help="generate completions for prompts offline", deferred=_add_engine_args)
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    _add_model_positional(gen, "run")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable; required)")
     _add_sampling_args(gen)
     gen.set_defaults(handler=_cmd_generate)
     comp = sub.add_parser("compile", help="fill the compile cache ahead of time so later starts are warm",
                           deferred=_add_engine_args)
+    _add_model_positional(comp, "compile")
     comp.set_defaults(handler=_cmd_compile)
     doctor = sub.add_parser("doctor", help="check the CUDA path on this machine: kernels, graph capture, "
                                            "replay vs eager (about a minute on a GPU)")
@@ -396,17 +445,71 @@ def build_parser() -> argparse.ArgumentParser:
                        help="only entries last used longer ago than AGE: 30m, 12h, 7d, 2w")
     cache.set_defaults(handler=_cmd_cache)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)",
-                         deferred=_add_engine_args)
+                         deferred=_add_serve_deferred)
     _add_serve_args(srv)
     srv.set_defaults(handler=_cmd_serve)
+    for command in sub.choices.values():  # global options are accepted after the command too
+        _add_global_options(command, argparse.SUPPRESS)
     return parser
+
+
+def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
+    """Options every command takes, before or after its name. The default is SUPPRESS on both
+    parsers, so a sub-command that was not given one does not overwrite the value given before
+    it; ``_log_level`` supplies the real default."""
+    p.add_argument("--log-level", default=default, choices=LOG_LEVELS, type=str.upper,
+                   help="log level (default: $VGRAPH_LOGGING_LEVEL, else INFO)")
+
+
+class _Version(argparse.Action):
+    """``--version``: one unwrapped line (argparse's own action wraps it like help text)."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: Optional[str] = None) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        print(_version_text())
+        parser.exit()
+
+
+def _version_text() -> str:
+    """vgraph's version and those of what it runs on, read without importing them."""
+    from importlib import metadata
+    parts = []
+    for dist in ("torch", "triton", "transformers"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"vgraph {__version__} ({', '.join(parts)}, Python {python})"
+
+
+def _log_level(args: argparse.Namespace) -> str:
+    """--log-level, else $VGRAPH_LOGGING_LEVEL (a bad value is a user error), else INFO."""
+    given = getattr(args, "log_level", None)
+    if given:
+        return given
+    try:
+        return logging_setup.env_level() or "INFO"
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.log_level = _log_level(args)
+    except UserError as exc:
+        print(f"vgraph {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    # The root logger gets the handler, so vgraph's own (logging_setup) stays quiet: one line
+    # per record, in the same format as the Python API's.
+    logging.basicConfig(level=args.log_level, format=logging_setup.FORMAT, datefmt=logging_setup.DATE_FORMAT)
+    logging_setup.set_level(args.log_level)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        _merge_model(args)
         return handler(args)
     except KeyboardInterrupt:
         return 130

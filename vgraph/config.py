@@ -84,7 +84,9 @@ def cli(help: str, **extra: Any) -> dict[str, Any]:
 class ModelConfig:
     model: str = field(metadata=cli("local HF model directory or hub id (default: the demo model)"))
     dtype: str | torch.dtype = field(default="auto", metadata=cli(
-        "weights and activations dtype; auto = the checkpoint's", choices=["auto", "float32", "float16", "bfloat16"]))
+        "weights and activations dtype. Default auto: the checkpoint's torch_dtype, on every device "
+        "(float32 when it names none); on CPU, float32 runs vgraph's packed float32 GEMM",
+        choices=["auto", "float32", "float16", "bfloat16"]))
     max_model_len: Optional[int] = field(default=None, metadata=cli(
         "longest sequence (prompt + output); default: the checkpoint's max_position_embeddings"))
     quantization: Optional[str] = field(default=None, metadata=cli(
@@ -118,10 +120,12 @@ class CacheConfig:
     # On CUDA the pool is sized from a profiling run and this fraction of device memory; on
     # CPU (or when set) num_gpu_blocks / cpu_kv_cache_gib decide.
     gpu_memory_utilization: float = field(default=0.9, metadata=cli(
-        "fraction of GPU memory vgraph may use (weights, activations, graphs and the KV cache)"))
+        "CUDA only: fraction of GPU memory vgraph may use (weights, activations, graphs and the KV cache); "
+        "the KV cache gets what the rest leaves"))
     num_gpu_blocks: Optional[int] = field(default=None, metadata=cli(
-        "KV cache blocks, overriding the memory-based sizing"))
-    cpu_kv_cache_gib: float = field(default=1.0, metadata=cli("KV cache size on CPU", flag="--kv-cache-gib"))
+        "KV cache blocks on any device, overriding the memory-based sizing (default: sized from memory)"))
+    cpu_kv_cache_gib: float = field(default=1.0, metadata=cli(
+        "CPU only: KV cache size in GiB (on CUDA, --gpu-memory-utilization sizes it)", flag="--kv-cache-gib"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -47,8 +47,12 @@ _NOISY_LOGGERS = ("asyncio", "uvicorn.error", "vgraph.server")
 
 
 def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, host: str, port: int,
-          shutdown_timeout: float = 30.0, log_level: str = "info", access_log: bool = False) -> int:
-    """Serves until a signal or a fatal engine error; returns the process exit code."""
+          shutdown_timeout: float = 30.0, log_level: str = "info", access_log: bool = False,
+          sockets: Optional[list[socket.socket]] = None) -> int:
+    """Serves until a signal or a fatal engine error; returns the process exit code.
+
+    ``sockets``: listening sockets already bound (the CLI binds before the model loads, so a
+    port in use fails at once); uvicorn serves on them instead of binding ``host:port``."""
     server: Optional[uvicorn.Server] = None
 
     def on_fatal(error: BaseException) -> None:
@@ -73,7 +77,7 @@ def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, 
     previous = signal.signal(signal.SIGTERM, _drained)
     try:
         with _rate_limited(_NOISY_LOGGERS):
-            server.run()
+            server.run(sockets=sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
     engine = state.engine

@@ -39,8 +39,12 @@ class ServerSettings:
     served_model_names: list[str]
     api_key: Optional[str] = None
     chat_template: Optional[str] = None  # overrides the tokenizer's
-    max_queue_len: Optional[int] = None
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # A field with "help" metadata is a `vgraph serve` flag, named, typed, defaulted and
+    # documented from the field (vgraph/cli_options.py); the others are set by hand there.
+    max_queue_len: Optional[int] = field(default=1024, metadata={
+        "help": "sequences that may wait to be scheduled; beyond that new requests get 503 + Retry-After"})
+    max_body_bytes: int = field(default=DEFAULT_MAX_BODY_BYTES, metadata={
+        "help": "largest request body in bytes; a larger one gets 413"})
     # After a fatal engine error the port stays open this long, answering 503, so that health
     # checkers and clients see why before the process exits.
     fatal_exit_grace_s: float = 2.0
