@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from vgraph import cli
+from vgraph import cli, cli_options
 from vgraph.config import (FIELD_SECTION, SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode,
                            EngineConfig, ModelConfig, SchedulerConfig)
 from vgraph.engine import llm as llm_module
@@ -296,3 +296,57 @@ def test_resolved_config_does_not_share_the_callers_lists():
     sizes.append(4)
     passes.append(object())
     assert resolved.compile.cudagraph_capture_sizes == [1, 2] and resolved.compile.passes == []
+
+
+# ---------------------------------------------------------------- server settings as serve flags
+
+def _server_fields() -> list[dataclasses.Field]:
+    from vgraph.server.state import ServerSettings
+    return [f for f in dataclasses.fields(ServerSettings) if "help" in f.metadata]
+
+
+def test_server_settings_with_help_exist():
+    names = {f.name for f in _server_fields()}
+    assert {"max_queue_len", "max_body_bytes"} <= names, "the fields the CLI used to spell out by hand"
+
+
+@pytest.mark.parametrize("field", _server_fields(), ids=lambda f: f.name)
+def test_every_server_setting_with_help_is_a_serve_flag_with_its_default(field):
+    """A field added to ServerSettings with help metadata is a flag at once, defaulted and
+    documented from the field: nothing in the CLI to update."""
+    option = next((a for a in _command_parser("serve")._actions if a.dest == field.name), None)
+    assert option is not None, f"ServerSettings.{field.name} has help but no serve flag"
+    assert field.metadata.get("flag", "--" + field.name.replace("_", "-")) in option.option_strings
+    assert option.default == cli_options.field_default(field) == getattr(_parse("serve", []), field.name)
+    assert field.metadata["help"].replace("%", "%%") in option.help
+
+
+def _flag_value(option: argparse.Action, field: dataclasses.Field) -> tuple[list[str], Any]:
+    """Flags that set ``field`` to something other than its default, and that value."""
+    flag = option.option_strings[0]
+    if option.nargs == 0:  # a boolean: the flag flips it
+        return [flag], option.const if option.const is not None else not field.default
+    converted = {int: 7, float: 2.5}.get(option.type)
+    if converted is None:
+        pytest.skip(f"{field.name}: no sample value for type {option.type}")
+    return [flag, str(converted)], converted
+
+
+@pytest.mark.parametrize("field", _server_fields(), ids=lambda f: f.name)
+def test_each_serve_flag_sets_its_server_setting(field):
+    option = next(a for a in _command_parser("serve")._actions if a.dest == field.name)
+    flags, value = _flag_value(option, field)
+    settings = cli._server_settings(_parse("serve", flags), None)
+    assert getattr(settings, field.name) == value
+    others = {f.name: getattr(settings, f.name) for f in _server_fields() if f.name != field.name}
+    assert others == {f.name: cli_options.field_default(f) for f in _server_fields() if f.name != field.name}
+
+
+def test_hand_written_server_settings():
+    args = _parse("serve", ["my/model", "--served-model-name", "a", "b", "--api-key", "k",
+                            "--chat-template", "{{ messages }}"])
+    cli._merge_model(args)
+    settings = cli._server_settings(args, args.model)
+    assert settings.served_model_names == ["a", "b"] and settings.api_key == "k"
+    assert settings.chat_template == "{{ messages }}"
+    assert cli._server_settings(_parse("serve", []), None).served_model_names == ["demo-model-v1"]
