@@ -70,7 +70,7 @@ def _key(**changes) -> str:
     compile_config = CompileConfig(**changes.pop("compile", {}))
     config = EngineConfig(model=model, compile=compile_config)
     return config_key(config, hf, changes.pop("dtype", torch.float32), changes.pop("passes", "p1"),
-                      torch.device("cpu"))
+                      torch.device("cpu"), changes.pop("layout", {"Linear": 4}))
 
 
 def test_cache_key_covers_what_changes_the_output(monkeypatch):
@@ -82,6 +82,7 @@ def test_cache_key_covers_what_changes_the_output(monkeypatch):
     assert _key(passes="p2") != base
     assert _key(compile={"custom_ops": False}) != base
     assert _key(compile={"compile_sizes": [8]}) != base
+    assert _key(layout={"PackedLinear": 4}) != base, "packed and plain linears trace different graphs"
     real = cache_mod.environment_fingerprint
     monkeypatch.setattr(cache_mod, "environment_fingerprint",
                         lambda device: {**real(device), "torch": "9.9.9"})
