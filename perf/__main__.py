@@ -11,7 +11,7 @@ import torch
 
 from .timing import RESULTS_DIR, machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile", "serving", "decode")
+SUITES = ("ops", "offline", "startup", "compile", "serving", "decode", "hardening")
 
 
 def contention_probe() -> dict:
