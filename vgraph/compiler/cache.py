@@ -113,6 +113,7 @@ class CompileCache:
         self.folder: Optional[Path] = None
         self.graph_hash: Optional[str] = None
         self._writable = root is not None
+        self._ready: Optional[Path] = None  # the folder whose meta.json this run has written
         self._errors = 0  # unreadable entries and failed saves since the last take_errors()
 
     def take_errors(self) -> int:
@@ -178,7 +179,7 @@ class CompileCache:
                            "the next start", path.name, type(exc).__name__, exc)
             return False
         finally:
-            cache_entries._remove_quietly(tmp if tmp and os.path.exists(tmp) else None)
+            cache_entries.remove_quietly(tmp)  # gone after the rename; left by a failure
 
     def ensure_folder(self) -> bool:
         """Creates the entry folder and its meta.json on the first write; False (after one
@@ -186,9 +187,11 @@ class CompileCache:
         if not self.writable:
             return False
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            cache_entries.create_meta(self.folder, {**self.description, "config_key": self.config_key,
-                                                    "graph_hash": self.graph_hash})
+            self.folder.mkdir(parents=True, exist_ok=True)  # again each time: `cache clear` may run meanwhile
+            if self._ready != self.folder:
+                cache_entries.create_meta(self.folder, {**self.description, "config_key": self.config_key,
+                                                        "graph_hash": self.graph_hash})
+                self._ready = self.folder
             return True
         except OSError as exc:
             self._disable(exc)

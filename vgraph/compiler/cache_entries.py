@@ -36,7 +36,7 @@ def write_json_atomic(path: Path, payload: Any) -> None:
             json.dump(payload, f, sort_keys=True)
         os.replace(tmp, path)
     except BaseException:
-        _remove_quietly(tmp)
+        remove_quietly(tmp)
         raise
 
 
@@ -107,7 +107,7 @@ class CacheEntry:
 def describe_entry(entry: CacheEntry, now: Optional[float] = None) -> str:
     """The entry's block in ``vgraph cache list``."""
     m = entry.meta
-    passes = ", ".join(m.get("passes") or []) or "none"
+    passes = ", ".join(map(str, m["passes"])) if isinstance(m.get("passes"), list) and m["passes"] else "none"
     return "\n".join([
         f"  {entry.name}",
         f"    model:        {entry.model} ({m.get('architecture') or '?'})",
@@ -219,7 +219,8 @@ def clear_all(root: Path) -> int:
     return count
 
 
-def _remove_quietly(path: Optional[str]) -> None:
+def remove_quietly(path: Optional[str]) -> None:
+    """Removes a temporary file if it is still there; cleanup must not mask the real error."""
     if path:
         try:
             os.remove(path)
