@@ -16,7 +16,10 @@ into a 503. ``GuardedH11Protocol`` (passed to ``uvicorn.Config(http=...)``) adds
   sees a disconnect and aborts the engine request. Nothing else queues for such a client:
   uvicorn's ``send`` waits while the buffer is full, so the stream's generator waits too, and
   the engine keeps only each request's latest output, so memory per stalled stream is bounded
-  by the kernel's and the transport's buffers.
+  by the kernel's and the transport's buffers. The kernel's send buffer is fixed at
+  ``SEND_BUFFER_BYTES``: left to autotuning it grows to ``tcp_wmem``'s maximum (4 MiB by
+  default) for a client that does not read, which is both kernel memory per connection and
+  thousands of tokens a stalled stream generates before anything notices.
 - A connection cap below the descriptor limit. A connection over the cap closes the one that
   has waited longest for request headers (an idle keep-alive or a slowloris); when every open
   connection is busy with a request, the newcomer gets a 503 and is closed.
@@ -52,6 +55,9 @@ logger = logging.getLogger("vgraph.server")
 BODY_MIN_RATE = 64 * 1024  # bytes per second a request body may arrive at, beyond body_timeout
 DESCRIPTOR_RESERVE = 64  # descriptors kept for everything but connections (model files, logs, pipes)
 DESCRIPTOR_TARGET = 65536  # the soft limit is raised towards this (as vLLM does), within the hard one
+# Per-connection kernel send buffer (Linux doubles it): token streams need a few KB/s, and even
+# a multi-megabyte JSON response at 100 ms RTT still moves at several MB/s.
+SEND_BUFFER_BYTES = 256 * 1024
 _HEADERS, _BODY = "headers", "body"  # what a connection is waiting to read
 
 
@@ -135,6 +141,10 @@ class GuardedH11Protocol(H11Protocol):
         if not self.guard.admit(self):
             self._refuse()
             return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._track_reads(0)
 
     def data_received(self, data: bytes) -> None:
