@@ -151,6 +151,8 @@ LIMIT_CASES = [
      "prompt_too_long", "--max-prompt-chars"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 2049}, "messages",
      "too_many_messages", "--max-messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]},
+     "messages", "prompt_too_long", "the messages' text has 199999 characters"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 200}]}, "messages",
      "prompt_too_long", "rendered messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed",

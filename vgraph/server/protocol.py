@@ -199,8 +199,15 @@ class ChatCompletionRequest(_GenerationFields):
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (see ``ChatMessage.as_template_input``)."""
+    return [m.as_template_input(i) for i, m in enumerate(messages)]
+
+
+def content_parts(messages: list[ChatMessage]) -> int:
+    """How many pieces of content the messages hold (a string counts as one)."""
+    return sum(len(m.content) if isinstance(m.content, list) else 1 for m in messages)
 
 
 class TokenizeRequest(_Strict):

@@ -31,7 +31,8 @@ async def create_chat_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
                                   body.field_names)
-    text, ids = await state.encode_chat(body.template_messages(), body.add_generation_prompt, params.n)
+    messages = await state.chat_messages(body.messages, params.n)
+    text, ids = await state.encode_chat(messages, body.add_generation_prompt)
     job = _Chat(state, body, model, params)
     collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)], "messages")
     if body.stream:

@@ -79,7 +79,7 @@ async def tokenize(request: Request) -> Response:
     state.resolve_model(body.model)
     state.require_ready()
     if body.messages is not None:
-        messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
+        messages = await state.chat_messages(body.messages)
         _, tokens = await state.encode_chat(messages, body.add_generation_prompt, limit_tokens=False)
     else:
         state.limits.check_chars(len(body.prompt), "the prompt", "prompt")

@@ -2,6 +2,7 @@
 the engine-error mapping."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,13 +20,14 @@ from .errors import APIError, bad_request, internal_error
 from .limits import Limits
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
-from .protocol import param_from_message
+from .protocol import ChatMessage, content_parts, param_from_message, template_messages
 from .streaming import DisconnectWatch
 from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+OFFLOAD_PARTS = 1024  # chat content parts above which their conversion leaves the event loop
 # Flat fields, each a --flag (see the CLI); none of them can be below 1.
 _AT_LEAST_ONE = ("max_json_depth", "max_prompt_chars", "max_prompt_tokens", "max_prompts_per_request",
                  "max_sequences_per_request", "max_messages", "max_stop_strings", "max_stop_string_chars",
@@ -211,13 +213,21 @@ class ServerState:
         self.engine.abort(collector.request_ids)
         collector._fail(_ClientGone())
 
-    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, n: int = 1,
+    async def chat_messages(self, messages: list[ChatMessage], n: int = 1) -> list[dict[str, Any]]:
+        """The messages as the template takes them, within the message limit; converted off the
+        loop when they hold many content parts (up to hundreds of thousands fit in a body)."""
+        self.limits.check_messages(len(messages), n)
+        if content_parts(messages) > OFFLOAD_PARTS:
+            return await asyncio.to_thread(template_messages, messages)
+        return template_messages(messages)
+
+    async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           limit_tokens: bool = True) -> tuple[str, list[int]]:
         """Renders the chat template (``--chat-template`` or the tokenizer's) and tokenizes it,
-        within the message and character limits and, with ``limit_tokens``, the token limit
-        (``/tokenize`` reports any count)."""
+        within the character limit and, with ``limit_tokens``, the token limit (``/tokenize``
+        reports any count)."""
         limits = self.limits
-        limits.check_messages(messages, n)
+        limits.check_message_chars(messages)
         template = self.settings.chat_template
         if template is None and not getattr(self.engine.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; start the server with "
