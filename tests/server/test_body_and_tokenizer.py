@@ -93,7 +93,8 @@ def test_large_inputs_are_tokenized_off_the_event_loop():
         try:
             assert await tokenizer.encode("short") == [5]
             assert await tokenizer.encode("x" * (INLINE_CHARS + 1)) == [INLINE_CHARS + 1]
-            assert await tokenizer.encode_prompts(["a" * 5000, [1, 2], "b"], lambda i, ids: None) == [[5000], [1, 2], [1]]
+            encoded = await tokenizer.encode_prompts(["a" * 5000, [1, 2], "b"], lambda i, ids: None)
+            assert encoded == [[5000], [1, 2], [1]]
             assert await tokenizer.decode(list(range(100_000))) == "x" * 100_000
         finally:
             tokenizer.close()
@@ -139,7 +140,7 @@ def test_a_repeated_failure_logs_its_traceback_once_at_debug(caplog):
             except KeyError as exc:
                 log_failure("a request failed", exc)
     assert [r.levelno for r in caplog.records].count(logging.ERROR) == 3
-    assert [r for r in caplog.records if r.exc_info is not None and r.levelno == logging.DEBUG].__len__() == 1
+    assert len([r for r in caplog.records if r.exc_info is not None and r.levelno == logging.DEBUG]) == 1
 
 
 def test_limits_derive_from_max_model_len_and_settings():

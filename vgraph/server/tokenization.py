@@ -70,8 +70,10 @@ class ServerTokenizer:
         return await self.run(encode_all, chars, INLINE_CHARS, "encode the prompt", "prompt")
 
     async def decode(self, ids: list[int], param: Optional[str] = "tokens") -> str:
-        return await self.run(lambda tok: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
-                              len(ids), INLINE_TOKENS, "decode the tokens", param)
+        def decode(tok: Any) -> str:
+            return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        return await self.run(decode, len(ids), INLINE_TOKENS, "decode the tokens", param)
 
     async def render_chat(self, messages: list[dict[str, Any]], template: Optional[str],
                           add_generation_prompt: bool) -> tuple[str, list[int]]:
