@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vgraph", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action=_Version, help="print vgraph's version (and torch's, triton's, "
                                                               "transformers', Python's) and exit")
-    _add_global_options(parser, argparse.SUPPRESS)
+    _add_global_options(parser)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser, metavar="COMMAND")
     ops = sub.add_parser("ops", help="list the custom ops or check every Triton kernel against its reference")
     ops.add_argument("action", choices=["list", "check"],
@@ -449,15 +449,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_args(srv)
     srv.set_defaults(handler=_cmd_serve)
     for command in sub.choices.values():  # global options are accepted after the command too
-        _add_global_options(command, argparse.SUPPRESS)
+        _add_global_options(command)
     return parser
 
 
-def _add_global_options(p: argparse.ArgumentParser, default: Any) -> None:
-    """Options every command takes, before or after its name. The default is SUPPRESS on both
-    parsers, so a sub-command that was not given one does not overwrite the value given before
-    it; ``_log_level`` supplies the real default."""
-    p.add_argument("--log-level", default=default, choices=LOG_LEVELS, type=str.upper,
+def _add_global_options(p: argparse.ArgumentParser) -> None:
+    """Options every command takes, before or after its name. The default is SUPPRESS on the
+    top-level parser and on each command's, so a command that was not given one does not
+    overwrite the value given before it; ``_log_level`` supplies the real default."""
+    p.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, type=str.upper,
                    help="log level (default: $VGRAPH_LOGGING_LEVEL, else INFO)")
 
 
