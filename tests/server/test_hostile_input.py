@@ -185,6 +185,19 @@ def test_requests_at_the_limits_are_served(server):
     assert server.post("/detokenize", {"tokens": [5] * 512}).status_code == 200
 
 
+@pytest.mark.parametrize("prompt", [[5, -1], [5, 2**70], [[5], [7, 10**6]]])
+def test_bad_token_ids_with_echo_are_a_400(server, reference_text, prompt):
+    """echo decodes token-id prompts: only once the engine has accepted them (the tokenizer's
+    binding raised OverflowError on a negative id, a 500)."""
+    error = _assert_error(server.post("/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 2}),
+                          400, None, None, "outside the vocabulary")
+    assert "token id" in error["message"]
+    echoed = server.post("/v1/completions", {"prompt": [[5, 6]], "echo": True, "max_tokens": 2})
+    expected = server.post("/detokenize", {"tokens": [5, 6]}).json()["prompt"]
+    assert echoed.status_code == 200 and echoed.json()["choices"][0]["text"].startswith(expected)
+    _serves_correctly(server, reference_text)
+
+
 def test_a_15_mb_prompt_is_refused_before_tokenizing_while_health_answers(server, reference_text):
     """A 15 MB prompt used to hold the event loop in the tokenizer for about a minute."""
     content = json.dumps({"prompt": "The quick brown fox. " * 750_000}).encode()

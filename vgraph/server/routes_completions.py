@@ -37,9 +37,14 @@ async def create_completion(request: Request) -> Response:
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
     inputs = await _engine_inputs(state, prompts, params.n)
-    echoes = [await _echo_text(state, p) if body.echo else "" for p in prompts]
-    job = _Completion(state, body, model, params, echoes)
+    job = _Completion(state, body, model, params, len(prompts))
     collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])
+    if body.echo:  # once the engine has accepted the token ids, they decode
+        try:
+            job.echoes = [await _echo_text(state, p) for p in prompts]
+        except BaseException:
+            state.engine.abort(job.ids)
+            raise
     if body.stream:
         return SSEResponse(job.stream(collector))
     finals = await state.wait_finished(request, collector)
@@ -68,14 +73,14 @@ class _Completion:
     """One completions call: builds its response, or its stream of chunks."""
 
     def __init__(self, state: ServerState, body: CompletionRequest, model: str, params: SamplingParams,
-                 echoes: list[str]) -> None:
+                 num_prompts: int) -> None:
         self.state = state
         self.body = body
         self.model = model
         self.params = params
-        self.echoes = echoes  # per prompt: the text echo puts before the completion ("" without echo)
+        self.echoes = [""] * num_prompts  # per prompt: the text echo puts before the completion
         self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.ids = [f"{self.id}-{i}" for i in range(len(echoes))]
+        self.ids = [f"{self.id}-{i}" for i in range(num_prompts)]
         self.prompt_index = {rid: i for i, rid in enumerate(self.ids)}
         self.created = int(time.time())
 

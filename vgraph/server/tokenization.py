@@ -11,7 +11,7 @@ Why two tokenizer copies: a Rust-backed tokenizer must not be used by two thread
 made by ``AsyncEngine`` on the engine thread at startup), each used by one thread only.
 
 Failures stay with their request: a tokenizer that rejects its input (``TypeError``,
-``ValueError``) is a 400; anything else is logged in one line (``errors.log_failure``) and
+``ValueError``, ``OverflowError``) is a 400; anything else is logged in one line (``errors.log_failure``) and
 answered with a 500, and the next request finds the tokenizer as before.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _guarded(fn: Callable[[Any], T], tokenizer: Any, what: str, param: Optional[
         return fn(tokenizer)
     except APIError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # what a binding raises for bad arguments
         raise bad_request(f"the tokenizer could not {what}: {type(exc).__name__}: {exc}", param,
                           code="tokenizer_error") from None
     except Exception as exc:
