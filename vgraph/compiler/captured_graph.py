@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .cache_entries import TEMP_PREFIX
 from .piece import PieceRunner, TokenDim
 
 logger = logging.getLogger("vgraph")
@@ -179,7 +180,7 @@ def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], piec
     ``graph_hash`` and ``state`` (``state_signature``), checked by ``record_problem``."""
     payload = {"format": RECORD_FORMAT, "torch": torch.__version__, "split": split_bytes,
                "sources": sources, "pieces": pieces, **built_for}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".pkl")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".pkl")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(pickle.dumps(payload))
