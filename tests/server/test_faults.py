@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import pytest
@@ -308,3 +309,100 @@ def test_raw_responses_are_complete_http_messages():
     assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"\r\nretry-after: 1" in head.lower()
     assert f"content-length: {len(body)}".encode() in head
     assert json.loads(body)["error"]["code"] == "too_many_connections"
+
+
+class _FakeTransport(asyncio.Transport):
+    """Records what the protocol writes and how it ends the connection, which it reports to
+    the protocol a loop iteration later, as asyncio's transports do."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__()
+        self.port, self.written, self.ended = port, b"", None
+        self.protocol: Optional[asyncio.Protocol] = None
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", self.port), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self._end("closed")
+
+    def abort(self) -> None:
+        self._end("reset")
+
+    def _end(self, how: str) -> None:
+        if self.ended is None:
+            self.ended = how
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def is_closing(self) -> bool:
+        return self.ended is not None
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _guarded_connections(count: int, requests: int, **limits: float) -> list:
+    """``count`` connections to a guarded protocol (cap 2); the first ``requests`` send a request
+    the app never finishes answering, the rest send nothing."""
+    import uvicorn
+    from uvicorn.server import ServerState as UvicornState
+
+    from vgraph.server.connections import ConnectionGuard, ConnectionLimits, protocol_class
+
+    async def app(scope, receive, send) -> None:  # a request that stays in progress
+        await asyncio.Event().wait()
+
+    config = uvicorn.Config(app, lifespan="off")
+    config.load()
+    defaults = dict(header_timeout=30.0, body_timeout=30.0, stall_timeout=30.0, max_connections=2, backlog=16)
+    protocol = protocol_class(ConnectionGuard(ConnectionLimits(**{**defaults, **limits})))
+    state = UvicornState()
+    made = []
+    for i in range(count):
+        conn = protocol(config=config, server_state=state, app_state={})
+        transport = _FakeTransport(5000 + i)
+        transport.protocol = conn
+        conn.connection_made(transport)
+        if i < requests:
+            conn.data_received(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        made.append(conn)
+    await asyncio.sleep(0)
+    return made
+
+
+def test_a_connection_over_the_cap_evicts_the_longest_header_waiter():
+    async def scenario() -> list:
+        conns = await _guarded_connections(4, requests=1)  # one busy, then three silent
+        return [conn.transport.ended for conn in conns]
+
+    assert asyncio.run(scenario()) == [None, "reset", "reset", None], "busy kept, oldest waiters evicted"
+
+
+def test_a_connection_over_the_cap_of_busy_ones_gets_a_503():
+    async def scenario() -> _FakeTransport:
+        conns = await _guarded_connections(3, requests=2)
+        assert [c.transport.ended for c in conns[:2]] == [None, None]
+        return conns[2].transport
+
+    transport = asyncio.run(scenario())
+    status, error = _json_error(transport.written)
+    assert status == b"HTTP/1.1 503 Service Unavailable" and error["code"] == "too_many_connections"
+    assert transport.ended == "closed"
+
+
+def test_a_response_stalled_past_the_stall_timeout_is_reset():
+    async def scenario() -> list:
+        conns = await _guarded_connections(2, requests=2, stall_timeout=0.05)
+        conns[0].pause_writing()  # its client stopped reading
+        conns[1].pause_writing()
+        conns[1].resume_writing()  # this one caught up
+        await asyncio.sleep(0.3)
+        return [conn.transport.ended for conn in conns]
+
+    assert asyncio.run(scenario()) == ["reset", None]
