@@ -296,10 +296,10 @@ def test_log_rate_limit_passes_a_burst_per_window_and_counts_the_rest():
 
 
 def test_the_connection_cap_leaves_room_for_the_accept_loop_and_the_reserve():
-    assert plan_connections(256, None) == (128, 32)
-    assert plan_connections(1024, None) == (704, 128)
-    assert plan_connections(65536, None) == (65536 - 64 - 4096, 2048)
-    assert plan_connections(1024, 100) == (100, 128)
+    assert plan_connections(256, None) == (128, 16)
+    assert plan_connections(1024, None) == (704, 64)
+    assert plan_connections(65536, None) == (65536 - 64 - 4 * 2048, 2048)
+    assert plan_connections(1024, 100) == (100, 64)
     assert plan_connections(1024, 10**6)[0] == 704
 
 
