@@ -25,6 +25,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import fx_utils
+from .identity import identity_problem, source_digests
 
 logger = logging.getLogger("vgraph.passes")
 
@@ -93,19 +94,18 @@ class VgraphPass(CustomGraphPass):
         return sorted(modules, key=lambda m: m.__name__)
 
     def uuid(self) -> Optional[str]:
-        """Hash of the pass's class, source modules and config; None if a source is missing.
+        """Hash of the pass's class, config and source: its ``source_modules()`` and the
+        modules they import from their own package (``identity.py``: a helper module holding
+        a switch changes the uuid too); None if a declared module has no source.
 
-        None makes Inductor bypass its FX-graph cache for the compile, which is the safe
-        answer when we cannot tell two versions of the pass apart.
+        None makes Inductor bypass its FX-graph cache for the compile, and vgraph's compile
+        cache turns itself off (with one warning, ``identity_problem``): the safe answer when
+        we cannot tell two versions of the pass apart.
         """
-        sources = {}
-        for module in self.source_modules():
-            text = source_of(module)
-            if text is None:
-                logger.warning("no source for %s: pass %s has no uuid, so Inductor will not "
-                               "cache graphs compiled with it", module.__name__, self.pass_name)
-                return None
-            sources[module.__name__] = _sha256(text)
+        sources = source_digests(self.source_modules(), source_of)
+        if sources is None:
+            logger.debug("pass %s has no uuid: %s", self.pass_name, identity_problem(self))
+            return None
         key = {"class": f"{type(self).__module__}.{type(self).__qualname__}",
                "config": self.config(), "sources": sources}
         return _sha256(json.dumps(key, sort_keys=True, default=repr))
@@ -148,7 +148,16 @@ class CallablePass(CustomGraphPass):
         self.total_matched = 0
 
     def uuid(self) -> Optional[Any]:
-        return self.fn.uuid()
+        """The callable's own uuid, combined with the source of its module and of the modules
+        that module imports from its package, when readable: editing the function changes the
+        uuid even if its author forgot to. Unreadable (a notebook, ``python -c``): the declared
+        uuid alone, which its author must change with the pass."""
+        declared = self.fn.uuid()
+        module = sys.modules.get(getattr(self.fn, "__module__", None) or "")
+        sources = source_digests([module], source_of) if module is not None else None
+        if declared is None or not sources:
+            return declared
+        return _sha256(json.dumps({"uuid": declared, "sources": sources}, sort_keys=True, default=repr))
 
     def __repr__(self) -> str:
         return f"CallablePass({self.fn!r})"

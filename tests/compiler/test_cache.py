@@ -9,6 +9,7 @@ import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph.compiler import cache as cache_mod
+from vgraph.compiler import cache_key as cache_key_mod
 from vgraph.compiler.backend import VgraphBackend
 from vgraph.compiler.cache import CompileCache
 from vgraph.compiler.compiled_forward import CompiledForward
@@ -70,7 +71,7 @@ def _key(**changes) -> str:
     compile_config = CompileConfig(**changes.pop("compile", {}))
     config = EngineConfig(model=model, compile=compile_config)
     return config_key(config, hf, changes.pop("dtype", torch.float32), changes.pop("passes", "p1"),
-                      torch.device("cpu"), changes.pop("layout", {"Linear": 4}))
+                      torch.device("cpu"), changes.pop("layout", {"Linear": 4}), **changes)
 
 
 def test_cache_key_covers_what_changes_the_output(monkeypatch):
@@ -83,9 +84,10 @@ def test_cache_key_covers_what_changes_the_output(monkeypatch):
     assert _key(compile={"custom_ops": False}) != base
     assert _key(compile={"compile_sizes": [8]}) != base
     assert _key(layout={"PackedLinear": 4}) != base, "packed and plain linears trace different graphs"
+    assert _key(rank=1, world_size=2) != base, "each tensor-parallel rank compiles its own shard"
+    assert _key(hf={"_name_or_path": "/elsewhere/llama", "_commit_hash": "abc"}) == base, \
+        "where the checkpoint was loaded from is no part of the key"
     real = cache_mod.environment_fingerprint
-    monkeypatch.setattr(cache_mod, "environment_fingerprint",
+    monkeypatch.setattr(cache_key_mod, "environment_fingerprint",
                         lambda device: {**real(device), "torch": "9.9.9"})
-    import vgraph.compiler.build as build_mod
-    monkeypatch.setattr(build_mod, "environment_fingerprint", cache_mod.environment_fingerprint)
     assert _key() != base, "a torch upgrade invalidates the cache"

@@ -75,7 +75,11 @@ class VgraphBackend:
         self.capture_context: Optional[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = None
         self.pending_capture: Optional[_PendingCapture] = None
         self._fingerprint: Optional[str] = None
-        self._read_disk = config.use_cache  # off after a cached entry failed: compile everything
+        self._read_disk = config.use_cache and not _dumping(config)  # off after a cached entry failed too
+
+    def forget_misses(self) -> None:
+        """Another process filled the cache meanwhile: look on disk again for what was missing."""
+        self._not_on_disk.clear()
 
     def stop_reading_disk(self) -> None:
         """After a cached entry failed to load or run: forget what was loaded and compile every
@@ -256,6 +260,17 @@ class VgraphBackend:
         mode = "from_tracing_context" if dynamic else "from_example_inputs"
         return torch._inductor.standalone_compile(module, example, dynamic_shapes=mode,
                                                   options={"config_patches": patches})
+
+
+def _dumping(config: CompileConfig) -> bool:
+    """Whether graphs are dumped: then nothing is read from the compile cache, because a piece
+    loaded from it runs no pass and dumps nothing (the new artifacts are still saved)."""
+    if not config.dump_graphs_dir:
+        return False
+    if config.use_cache:
+        logger.info("dump_graphs_dir is set: compiling every piece without reading the compile cache, so "
+                    "each graph is dumped to %s (the compiled artifacts are still saved)", config.dump_graphs_dir)
+    return True
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Builds the compiled forward for an engine: pass manager, cache key, cache, backend."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -11,7 +12,9 @@ import torch
 from ..config import EngineConfig
 from ..paths import cache_dir
 from .backend import VgraphBackend
-from .cache import CompileCache, environment_fingerprint, stable_hash
+from .cache import CompileCache, stable_hash
+from .cache_key import (RANK, WORLD_SIZE, identity_problems, is_user_pass, key_fields, key_summary,
+                        named_passes, pass_uuids, short_uuid)
 from .compiled_forward import CompiledForward
 from .counters import CompileCounters
 
@@ -41,17 +44,12 @@ def linear_packing(model: torch.nn.Module) -> str:
 
 
 def config_key(config: EngineConfig, hf_config: Any, dtype: torch.dtype, pass_uuid: Optional[str],
-               device: torch.device, layout: Optional[dict[str, int]] = None) -> str:
-    """Hash of everything outside the captured graph that changes the generated code;
-    ``layout`` is ``model_layout`` of the model as built (None only for key-only callers)."""
-    model = {k: v for k, v in hf_config.to_dict().items() if k not in ("_name_or_path", "name_or_path")}
-    c = config.compile
-    return stable_hash({
-        "env": environment_fingerprint(device), "model": model, "dtype": str(dtype),
-        "quantization": config.model.quantization, "passes": pass_uuid, "layout": layout,
-        "compile": {"splitting_ops": c.splitting_ops, "compile_sizes": sorted(c.compile_sizes),
-                    "custom_ops": c.custom_ops, "enable_fusion": c.enable_fusion},
-    })
+               device: torch.device, layout: Optional[dict[str, int]] = None, rank: int = RANK,
+               world_size: int = WORLD_SIZE) -> str:
+    """Hash of everything outside the captured graph that changes the generated code (see
+    cache_key.py); ``layout`` is ``model_layout`` of the model as built (None only for
+    key-only callers)."""
+    return stable_hash(key_fields(config, hf_config, dtype, pass_uuid, device, layout, rank, world_size))
 
 
 def entry_description(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
@@ -76,13 +74,40 @@ def _quantization(model: torch.nn.Module, config: EngineConfig) -> Optional[str]
 def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
                            device: torch.device) -> tuple[CompiledForward, CompileCounters, CompileCache]:
     manager = build_pass_manager(config)
-    key = config_key(config, hf_config, model.dtype, manager.uuid() if manager else None, device,
-                     model_layout(model))
-    description = entry_description(model, config, hf_config, manager, device)
-    cache = CompileCache(cache_dir() if config.compile.use_cache else None, key, description)
+    compile_config = _cache_policy(config.compile, manager)
+    fields = key_fields(config, hf_config, model.dtype, manager.uuid() if manager else None, device,
+                        model_layout(model))
+    key = stable_hash(fields)
+    description = {**entry_description(model, config, hf_config, manager, device),
+                   "key": key_summary(fields, pass_uuids(manager))}
+    cache = CompileCache(cache_dir() if compile_config.use_cache else None, key, description)
+    _log_key(key, manager, compile_config.use_cache)
     counters = CompileCounters()
-    backend = VgraphBackend(config.compile, manager, cache, counters)
+    backend = VgraphBackend(compile_config, manager, cache, counters)
     return CompiledForward(model, backend), counters, cache
+
+
+def _cache_policy(compile_config: Any, manager: Optional[Any]) -> Any:
+    """The compile config with the cache off when a pass has no reliable identity: a key
+    without its uuid cannot tell the pass from an edited version of it, and the entry would
+    serve the old pass's code and match counts. One warning names every such pass."""
+    problems = identity_problems(manager)
+    if not problems or not compile_config.use_cache:
+        return compile_config
+    which = "; ".join(f"{name}: {why}" for name, why in problems.items())
+    logger.warning("the compile cache is off for this compile: a pass has no reliable identity (%s), so "
+                   "a cached result could be from an older version of it; every start compiles. Define "
+                   "the pass in a .py file, or give it a uuid() that changes whenever it does "
+                   "(cache_dir.md, 'Passes and the key')", which)
+    return dataclasses.replace(compile_config, use_cache=False)
+
+
+def _log_key(key: str, manager: Optional[Any], use_cache: bool) -> None:
+    """The key, and each user pass's uuid next to it: which version of a pass an entry holds."""
+    users = [f"{name} uuid {short_uuid(p.uuid()) or 'none'}" for name, p in named_passes(manager)
+             if is_user_pass(p)]
+    logger.info("compile cache key %s%s%s", key, "" if use_cache else " (cache not used)",
+                f"; user passes: {', '.join(users)}" if users else "")
 
 
 def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds: float) -> None:

@@ -7,14 +7,16 @@ uuids, device); the graph hash covers the captured graph itself; a piece hash co
 piece's structure and input signature, so identical decoder layers share one artifact.
 
 Every artifact file starts with a tag saying what it was compiled for (config key, piece
-hash, size): a file under the wrong name (swapped, copied from another entry) is caught on
-load, logged and recompiled, instead of being called with another piece's inputs. Writes are
-atomic (a uniquely named temporary file, then a rename); an unreadable entry is recompiled
-with a warning; an unwritable directory degrades to compiling in memory with one warning,
-never to a crash.
+hash, size) and the sha256 and length of the Inductor payload after it: a file under the
+wrong name (swapped, copied from another entry) or whose payload does not match its checksum
+(truncated, bytes flipped by a bad disk or a copy) is caught before Inductor sees it, logged,
+removed and recompiled, never loaded. Writes are atomic (a uniquely named temporary file,
+fsynced, then a rename); one process at a time compiles a configuration (cache_lock.py); an
+unwritable directory degrades to compiling in memory with one warning, never to a crash.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,19 +24,20 @@ import os
 import platform
 import struct
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from . import cache_entries
+from . import cache_entries, cache_lock
 from .cache_entries import TEMP_PREFIX
 
 logger = logging.getLogger("vgraph")
 
 ARTIFACT_MAGIC = b"vgraph-artifact\n"
-ARTIFACT_FORMAT = 1
+ARTIFACT_FORMAT = 2  # 2: the header holds the payload's sha256 and length
 _HEADER_LENGTH = struct.Struct(">I")
 
 
@@ -69,13 +72,15 @@ class ArtifactTag:
 
 
 def pack_artifact(tag: ArtifactTag, inductor_bytes: bytes) -> bytes:
-    header = json.dumps({"format": ARTIFACT_FORMAT, **asdict(tag)}, sort_keys=True).encode()
+    header = json.dumps({"format": ARTIFACT_FORMAT, **asdict(tag), "bytes": len(inductor_bytes),
+                         "sha256": hashlib.sha256(inductor_bytes).hexdigest()}, sort_keys=True).encode()
     return ARTIFACT_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + inductor_bytes
 
 
 def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
-    """The tag and Inductor's bytes; ValueError for a file that is not a tagged artifact
-    (truncated, foreign, or written by a vgraph before tags)."""
+    """The tag and Inductor's bytes, checked against the header's length and sha256;
+    ValueError for a file that is not a whole tagged artifact (truncated, damaged, foreign,
+    or written by a vgraph before checksums)."""
     start = len(ARTIFACT_MAGIC) + _HEADER_LENGTH.size
     if not data.startswith(ARTIFACT_MAGIC) or len(data) < start:
         raise ValueError("not a vgraph artifact (no tag)")
@@ -87,7 +92,12 @@ def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
         raise ValueError(f"unreadable artifact tag ({exc})") from None
     if header.get("format") != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {header.get('format')!r}, expected {ARTIFACT_FORMAT}")
-    return tag, data[start + length:]
+    payload = data[start + length:]
+    if len(payload) != header.get("bytes"):
+        raise ValueError(f"truncated: {len(payload)} payload bytes, the tag says {header.get('bytes')}")
+    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        raise ValueError("damaged: the payload does not match its sha256 checksum")
+    return tag, payload
 
 
 def _load_inductor(inductor_bytes: bytes) -> Callable:
@@ -152,8 +162,11 @@ class CompileCache:
             return self._unusable(path, f"unreadable ({type(exc).__name__}: {exc})")
 
     def _unusable(self, path: Path, why: str) -> None:
+        """Logs, and removes the file: a damaged artifact is never loaded, not even by a
+        process that starts before this one has rewritten it."""
         self._errors += 1
-        logger.warning("compile cache entry %s is %s; recompiling it", path, why)
+        logger.warning("compile cache entry %s is %s; removed, recompiling it", path, why)
+        cache_entries.remove_quietly(str(path))
         return None
 
     def save(self, artifact: Any, piece_hash: str, size: str) -> bool:
@@ -165,10 +178,9 @@ class CompileCache:
         try:
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".bin")
             os.close(fd)
-            artifact.save(path=tmp, format="binary")
+            artifact.save(path=tmp, format="binary")  # Inductor writes only to a path
             data = Path(tmp).read_bytes()
-            Path(tmp).write_bytes(pack_artifact(ArtifactTag(self.config_key, piece_hash, size), data))
-            os.replace(tmp, path)
+            cache_entries.write_atomic(path, pack_artifact(ArtifactTag(self.config_key, piece_hash, size), data))
             return True
         except OSError as exc:
             self._disable(exc)
@@ -179,7 +191,7 @@ class CompileCache:
                            "the next start", path.name, type(exc).__name__, exc)
             return False
         finally:
-            cache_entries.remove_quietly(tmp)  # gone after the rename; left by a failure
+            cache_entries.remove_quietly(tmp)  # Inductor's unpacked output
 
     def ensure_folder(self) -> bool:
         """Creates the entry folder and its meta.json on the first write; False (after one
@@ -203,6 +215,16 @@ class CompileCache:
             logger.warning("compile cache %s is not writable (%s); compiling in memory only, serving "
                            "goes on", self.folder or self.root, exc)
         self._writable = False
+
+    @contextlib.contextmanager
+    def compile_lock(self) -> Iterator[bool]:
+        """Held while this process traces and compiles into the cache (cache_lock.py); yields
+        whether another process held it first. No lock without a writable cache."""
+        if self.root is None or not self._writable:
+            yield False
+            return
+        with cache_lock.compile_lock(cache_lock.lock_path(self.root, self.config_key)) as waited:
+            yield waited
 
     def captured_path(self, source_fingerprint: str) -> Optional[Path]:
         """Where this graph's captured record goes (see captured_graph.py); None without a

@@ -27,17 +27,41 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    """A temporary file with a unique name in the same folder, then a rename: readers see the
-    old file or the new one, never a part, whatever other writers do at the same time."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".json")
+def write_atomic(path: Path, data: bytes) -> None:
+    """A temporary file with a unique name in the same folder, written and fsynced, then
+    renamed over ``path`` (and the folder fsynced): readers see the old file or the new one,
+    never a part, whatever other writers do at the same time, and after a power cut the name
+    does not point at data that never reached the disk."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=path.suffix)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, sort_keys=True)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         remove_quietly(tmp)
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Makes a rename durable; best effort (some filesystems refuse to fsync a directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    """``payload`` as JSON through ``write_atomic``."""
+    write_atomic(path, json.dumps(payload, sort_keys=True).encode("utf-8"))
 
 
 def read_meta(folder: Path) -> Optional[dict]:

@@ -18,27 +18,34 @@ A record also says what it was built for: its entry (config key and graph hash) 
 shape, dtype and strides of every piece of model state it binds. A warm start checks both
 against the folder it read and the model as built now (linears packed or not, say, which
 changes the state's names and shapes) and traces again, with one warning, on any difference.
+
+On disk a record is a small JSON header (format, torch version, sha256 and length of the
+pickle after it) and the pickle: a truncated or damaged record is caught by its checksum
+before anything is unpickled, removed, and the start traces as a cold one would.
 """
 from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
-import os
 import pickle
-import tempfile
+import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from .cache_entries import TEMP_PREFIX
+from . import cache_entries
 from .piece import PieceRunner, TokenDim
 
 logger = logging.getLogger("vgraph")
 
-RECORD_FORMAT = 2
+RECORD_FORMAT = 3  # 3: a checksummed header before the pickle
+RECORD_MAGIC = b"vgraph-captured\n"
+_HEADER_LENGTH = struct.Struct(">I")
 STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
 
 
@@ -62,15 +69,26 @@ class PieceRecord:
 
 def source_fingerprint(model: torch.nn.Module) -> str:
     """Hash of the code Dynamo traces: the source files of the model's module classes and of
-    vgraph's ops. An edit to any of them means a new trace, not a stale graph."""
+    vgraph's ops. An edit to any of them means a new trace, not a stale graph. Files are named
+    by module, not path, so the same code installed elsewhere (another checkout, another home
+    directory, a copied cache) finds the same record."""
     import vgraph.ops
-    files = {inspect.getsourcefile(type(m)) for m in model.modules()}
-    files |= {str(p) for p in Path(vgraph.ops.__file__).parent.glob("*.py")}
+    files = {_module_name(type(m)): inspect.getsourcefile(type(m)) for m in model.modules()}
+    ops_folder = Path(vgraph.ops.__file__).parent
+    files.update({f"vgraph.ops.{p.stem}": str(p) for p in ops_folder.glob("*.py")})
     digest = hashlib.sha256()
-    for path in sorted(f for f in files if f):
-        digest.update(path.encode())
+    for name, path in sorted((n, f) for n, f in files.items() if f):
+        digest.update(name.encode())
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _module_name(cls: type) -> str:
+    """The importable name of a class's module (``__main__`` by its file's name)."""
+    module = cls.__module__
+    if module == "__main__":
+        return Path(getattr(sys.modules.get(module), "__file__", None) or module).stem
+    return module
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -175,33 +193,45 @@ def stubbed_split_bytes(split: torch.fx.GraphModule, compiled: set[str]) -> byte
 
 def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], pieces: dict[str, PieceRecord],
                 built_for: dict[str, Any]) -> None:
-    """Writes the record atomically (a uniquely named temporary file, then a rename: two cold
-    starts saving at once each rename a whole file). ``built_for``: ``config_key``,
-    ``graph_hash`` and ``state`` (``state_signature``), checked by ``record_problem``."""
-    payload = {"format": RECORD_FORMAT, "torch": torch.__version__, "split": split_bytes,
-               "sources": sources, "pieces": pieces, **built_for}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=".pkl")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(pickle.dumps(payload))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Writes the record atomically (cache_entries.write_atomic: two cold starts saving at
+    once each rename a whole file). ``built_for``: ``config_key``, ``graph_hash`` and
+    ``state`` (``state_signature``), checked by ``record_problem``."""
+    body = pickle.dumps({"split": split_bytes, "sources": sources, "pieces": pieces, **built_for})
+    header = json.dumps({"format": RECORD_FORMAT, "torch": torch.__version__, "bytes": len(body),
+                         "sha256": hashlib.sha256(body).hexdigest()}, sort_keys=True).encode()
+    cache_entries.write_atomic(path, RECORD_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + body)
+
+
+def _read_header(data: bytes) -> tuple[dict, bytes]:
+    """The header and the pickle after it; ValueError unless both are whole and match."""
+    start = len(RECORD_MAGIC) + _HEADER_LENGTH.size
+    if not data.startswith(RECORD_MAGIC) or len(data) < start:
+        raise ValueError("not a captured-graph record of this vgraph (no header)")
+    (length,) = _HEADER_LENGTH.unpack_from(data, len(RECORD_MAGIC))
+    header = json.loads(data[start:start + length])
+    body = data[start + length:]
+    if not isinstance(header, dict) or len(body) != header.get("bytes"):
+        raise ValueError(f"truncated: {len(body)} bytes after the header, which says {header.get('bytes')}")
+    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+        raise ValueError("damaged: the record does not match its sha256 checksum")
+    return header, body
 
 
 def load_record(path: Path) -> Optional[dict]:
-    """The record, or None (with a warning) if it is unreadable or from another format."""
+    """The record, or None: from another format or torch version (an info line), or truncated,
+    damaged or foreign (a warning, and the file is removed so no start reads it again)."""
     try:
-        payload = pickle.loads(path.read_bytes())
-        if payload.get("format") != RECORD_FORMAT or payload.get("torch") != torch.__version__:
+        header, body = _read_header(path.read_bytes())
+        if header.get("format") != RECORD_FORMAT or header.get("torch") != torch.__version__:
             logger.info("captured graph %s is from another vgraph or torch version; tracing with Dynamo", path)
             return None
+        payload = pickle.loads(body)
         payload["split"] = pickle.loads(payload["split"])
         return payload
-    except Exception as exc:  # truncated, foreign or stale: trace again, never crash
-        logger.warning("captured graph %s is unreadable (%s: %s); tracing with Dynamo", path,
+    except Exception as exc:  # truncated, damaged or foreign: trace again, never crash
+        logger.warning("captured graph %s is unreadable (%s: %s); removed, tracing with Dynamo", path,
                        type(exc).__name__, exc)
+        cache_entries.remove_quietly(str(path))
         return None
 
 

@@ -10,6 +10,11 @@ a recompile raises instead of silently compiling again: during serving it is a b
 The compile cache never stops a start: if anything read from it fails while loading or on the
 first (warm-up) call, that is one warning and the forward is compiled again from scratch,
 without reading the cache, whose files the new compile then overwrites.
+
+Processes starting at once on one cache: a warm entry is loaded without any lock (files are
+whole and checksummed); on a miss, the trace and compile run under the configuration's lock
+(cache_lock.py), and a process that had to wait for it looks in the cache again first, so
+that only one of them compiles and the others load its result.
 """
 from __future__ import annotations
 
@@ -69,6 +74,15 @@ class CompiledForward:
         out = self._warm_call(input_ids, positions)
         if out is not None:
             return out
+        with self.backend.cache.compile_lock() as waited:
+            if waited:  # another process just compiled: its entry is most likely there now
+                self.backend.forget_misses()
+                out = self._warm_call(input_ids, positions)
+            return out if out is not None else self._compile_first(input_ids, positions)
+
+    def _compile_first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Traces and compiles (loading what artifacts the cache has); once more without the
+        cache if something read from it fails."""
         try:
             return self._trace(input_ids, positions)
         except Exception as exc:
