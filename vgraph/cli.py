@@ -265,13 +265,18 @@ def _captured_status(state: str) -> str:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
-    """``cache list`` / ``cache clear``, both narrowed by ENTRY, --model and --older-than
-    (entries every given selector accepts); a plain ``clear`` removes every entry."""
+    """``cache list`` (``ls``) / ``cache clear``, both narrowed by ENTRY, --model and
+    --older-than (entries every given selector accepts); a plain ``clear`` removes every
+    entry. ``cache prune`` keeps the directory bounded by age and/or size."""
     from vgraph.compiler import cache_entries as ce
     from vgraph.paths import cache_dir
     root = cache_dir()
     selectors = (args.entry, args.model, args.older_than)
     older = ce.parse_duration(args.older_than) if args.older_than is not None else None
+    if args.action == "prune":
+        return _cache_prune(args, root, older)
+    if args.max_size is not None:
+        raise UserError("--max-size goes with `vgraph cache prune`")
     if args.action == "clear" and selectors == (None, None, None):
         print(f"removed {ce.clear_all(root)} compile cache entries from {root / 'compile'}")
         return 0
@@ -282,6 +287,24 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     print(f"compile cache: {root / 'compile'} ({len(entries)} entries)")
     for entry in entries:
         print(ce.describe_entry(entry))
+    return 0
+
+
+def _cache_prune(args: argparse.Namespace, root: Any, older: Optional[float]) -> int:
+    """Removes entries unused for --older-than, then the least recently used until the rest
+    fit in --max-size; at least one is required (a bare prune would guess a budget)."""
+    from vgraph.compiler import cache_entries as ce
+    if args.entry is not None or args.model is not None:
+        raise UserError("prune takes --older-than and --max-size; to remove chosen entries use `vgraph cache clear`")
+    max_size = ce.parse_size(args.max_size) if args.max_size is not None else None
+    if older is None and max_size is None:
+        raise UserError("prune needs --older-than AGE and/or --max-size SIZE, e.g. --max-size 2G")
+    result = ce.prune(root, older, max_size)
+    freed = sum(e.bytes for e in result.removed)
+    print(f"removed {len(result.removed)} compile cache entries ({ce.format_size(freed)}) from {root / 'compile'}; "
+          f"{result.left} left ({ce.format_size(result.left_bytes)})")
+    for entry in result.busy:
+        print(f"kept {entry.name}: a process is compiling into it now")
     return 0
 
 
@@ -437,12 +460,18 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check the CUDA path on this machine: kernels, graph capture, "
                                            "replay vs eager (about a minute on a GPU)")
     doctor.set_defaults(handler=_cmd_doctor)
-    cache = sub.add_parser("cache", help="list or clear compile cache entries ($VGRAPH_CACHE_DIR)")
-    cache.add_argument("action", choices=["list", "clear"])
+    cache = sub.add_parser("cache", help="list, clear or prune compile cache entries ($VGRAPH_CACHE_DIR)")
+    cache.add_argument("action", choices=["list", "ls", "clear", "prune"],
+                       help="list (or ls): each entry's model, key fields, size, creation and last use; "
+                            "clear: remove the selected entries (all without a selector); prune: remove "
+                            "entries by --older-than and/or --max-size")
     cache.add_argument("entry", nargs="?", default=None, help="only this entry: its name or a unique prefix")
     cache.add_argument("--model", default=None, help="only entries made for this model (as given, or its directory)")
     cache.add_argument("--older-than", default=None, metavar="AGE",
                        help="only entries last used longer ago than AGE: 30m, 12h, 7d, 2w")
+    cache.add_argument("--max-size", default=None, metavar="SIZE",
+                       help="prune: then remove the least recently used entries until the rest take at most "
+                            "SIZE: 500M, 2G (powers of 1024)")
     cache.set_defaults(handler=_cmd_cache)
     srv = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (default model: the demo model)",
                          deferred=_add_serve_deferred)

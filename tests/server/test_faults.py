@@ -26,6 +26,7 @@ import pytest
 
 from tests.server.conftest import EAGER_ARGS, ServerProcess
 from tests.server.slow_clients import NeverReader, Slowloris, response_status
+from vgraph.models.demo import build_tiny_checkpoint
 from vgraph.server.connections import LogRateLimit, plan_connections, raw_response
 from vgraph.server.errors import APIError
 
@@ -33,14 +34,23 @@ LIMITED = str(Path(__file__).with_name("limited_serve.py"))
 LONG = os.environ.get("VGRAPH_LONG_FAULTS") == "1"
 FD_LIMIT = 256
 TIMEOUT_S = 1.5  # header, body and stall timeouts of the hardened server
+LONG_CONTEXT = 8192
 GREEDY = {"prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def hardened():
-    """An eager demo server under a 256-descriptor limit, with read and stall timeouts of 1.5 s."""
+def long_model(tmp_path_factory) -> str:
+    """A tiny checkpoint with 8,192 positions (the demo model has 512): its streams can run far
+    longer than a test's stall or shutdown timeout, however fast the machine is."""
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("long-model"), max_position_embeddings=LONG_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def hardened(long_model):
+    """An eager server of ``long_model`` under a 256-descriptor limit, read and stall timeouts 1.5 s."""
+    model = long_model
     timeouts = [f"--{name}-timeout" for name in ("header", "body", "stall")]
-    proc = ServerProcess(*EAGER_ARGS, *[arg for flag in timeouts for arg in (flag, str(TIMEOUT_S))],
+    proc = ServerProcess(*EAGER_ARGS, "--model", model, *[arg for flag in timeouts for arg in (flag, str(TIMEOUT_S))],
                          program=[sys.executable, LIMITED], env={"VGRAPH_TEST_NOFILE": str(FD_LIMIT)})
     try:
         yield proc.wait_ready()
@@ -155,7 +165,7 @@ def test_malformed_http_gets_a_400_in_the_error_shape(hardened):
 
 def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_aborted(hardened):
     before = hardened.wait_idle()
-    n, max_tokens = 16, 480
+    n, max_tokens = 8, LONG_CONTEXT - 64  # minutes of generation: it is still running at the stall
     reader = NeverReader(hardened.port, {"prompt": "Never read", "max_tokens": max_tokens, "n": n, "logprobs": 5,
                                          "ignore_eos": True, "stream": True})
     try:
@@ -182,11 +192,12 @@ def _stream_events(url: str, body: dict, events: list, started: threading.Event)
                 started.set()
 
 
-def test_streams_cut_by_the_shutdown_deadline_end_with_an_error_event_and_done():
-    proc = ServerProcess(*EAGER_ARGS, "--shutdown-timeout", "1")
+def test_streams_cut_by_the_shutdown_deadline_end_with_an_error_event_and_done(long_model):
+    proc = ServerProcess(*EAGER_ARGS, "--model", long_model, "--shutdown-timeout", "1")
     try:
         proc.wait_ready()
-        body = {"prompt": "A long story", "max_tokens": 480, "n": 4, "ignore_eos": True, "stream": True}
+        body = {"prompt": "A long story", "max_tokens": LONG_CONTEXT - 64, "n": 4, "ignore_eos": True,
+                "stream": True}
         streams = [([], threading.Event()) for _ in range(3)]
         readers = [threading.Thread(target=_stream_events, args=(proc.url, body, events, started))
                    for events, started in streams]
