@@ -35,6 +35,13 @@ class SSEResponse(StreamingResponse):
     When the client disconnects, Starlette cancels the sending task, which may leave the
     generator suspended at a ``yield``; closing it here runs its ``finally`` (which aborts the
     engine requests) at once instead of whenever the garbage collector gets to it.
+
+    Backpressure needs no queue here: each event is sent before the generator is asked for the
+    next, uvicorn's ``send`` waits while the connection's write buffer is full, and the
+    engine's ``OutputCollector`` keeps only the latest output of each request, so a client that
+    reads slowly gets fewer, larger deltas and one that stops reading costs a bounded buffer
+    until the connection's stall deadline resets it (connections.py), which lands here as a
+    disconnect and aborts the request.
     """
 
     def __init__(self, content: AsyncIterator[bytes]) -> None:
