@@ -172,6 +172,14 @@ def test_serve_with_truncated_weights_exits_2_with_one_line(tmp_path):
 DAY = 86400.0
 
 
+KEY = {"vgraph": "0.1.0", "torch": "2.13.0+cpu", "triton": "3.9.0", "python": "3.11.9", "device": "cpu",
+       "machine": "x86_64", "model_type": "llama", "model_config": "3f2a9c1b7d4e", "dtype": "bfloat16",
+       "quantization": "fp8", "layout": "9a8b7c6d5e4f", "rank": 0, "world_size": 1,
+       "compile": {"splitting_ops": ["vgraph::unified_attention"], "compile_sizes": [8], "custom_ops": None,
+                   "enable_fusion": True},
+       "pass_uuids": {"RMSNormQuantFusionPass": "0123456789abcdef"}}
+
+
 def _fake_entry(root: Path, name: str, model: str, last_used: float, artifacts: int = 2) -> None:
     folder = root / "compile" / name
     folder.mkdir(parents=True)
@@ -179,7 +187,7 @@ def _fake_entry(root: Path, name: str, model: str, last_used: float, artifacts: 
         (folder / f"piece{i}-dynamic.bin").write_bytes(b"x" * 1000)
     meta = {"model": model, "model_path": model, "architecture": "LlamaForCausalLM",
             "dtype": "bfloat16", "quantization": "fp8", "passes": ["RMSNormQuantFusionPass"],
-            "linears": "plain", "created": last_used - DAY, "last_used": last_used}
+            "linears": "plain", "created": last_used - DAY, "last_used": last_used, "key": KEY}
     (folder / "meta.json").write_text(json.dumps(meta))
 
 
@@ -213,6 +221,59 @@ def test_cache_list_shows_what_each_entry_was_made_for(entries, capsys):
         assert text in out, text
     code, out = _cache(capsys, "list", "--model", "/models/qwen")
     assert "(1 entries)" in out and "bbbb3333-g3" in out
+
+
+def test_cache_ls_shows_the_key_fields_size_age_and_last_use(entries, capsys):
+    code, out = _cache(capsys, "ls", "bbbb")
+    assert code == 0 and "(1 entries)" in out
+    for text in ("RMSNormQuantFusionPass (uuid 0123456789abcdef)",
+                 "key:          vgraph 0.1.0, torch 2.13.0+cpu, triton 3.9.0, python 3.11.9, cpu x86_64, rank 0 of 1",
+                 "model config: llama 3f2a9c1b7d4e, layout 9a8b7c6d5e4f",
+                 "compile:      sizes [8], custom ops None, fusion True, split at vgraph::unified_attention",
+                 "artifacts:    1 (", "KiB in all)", "created:", "(4d ago)", "last used:", "(3d ago)"):
+        assert text in out, text
+
+
+def _sizes(root: Path) -> dict[str, int]:
+    return {e.name: e.bytes for e in cache_entries.list_entries(root)}
+
+
+def test_cache_prune_by_size_removes_the_least_recently_used_first(entries, capsys):
+    sizes = _sizes(entries)
+    budget = sizes["aaaa2222-g2"] + sizes["bbbb3333-g3"]
+    code, out = _cache(capsys, "prune", "--max-size", str(budget))
+    assert code == 0 and "removed 1 compile cache entries" in out and "2 left" in out
+    assert _left(entries) == ["aaaa2222-g2", "bbbb3333-g3"], "the entry unused for 10 days went first"
+    assert "removed 0" in _cache(capsys, "prune", "--max-size", str(budget))[1], "already within the budget"
+    assert "removed 1" in _cache(capsys, "prune", "--max-size", f"{budget / 1024 - 0.1}K")[1]
+    assert _left(entries) == ["aaaa2222-g2"]
+
+
+def test_cache_prune_by_age_keeps_an_entry_being_compiled_and_cleans_strays(entries, capsys):
+    from vgraph.compiler.cache_lock import compile_lock, lock_path
+    base = entries / "compile"
+    stray = base / "aaaa2222-g2" / f"{cache_entries.TEMP_PREFIX}dead-writer.bin"
+    stray.write_bytes(b"half")
+    os.utime(stray, (time.time() - 2 * 3600,) * 2)
+    fresh = base / "aaaa2222-g2" / f"{cache_entries.TEMP_PREFIX}live-writer.bin"
+    fresh.write_bytes(b"half")
+    (base / "cccc.lock").touch()  # the lock of a key whose entries are gone: nobody holds it
+    with compile_lock(lock_path(entries, "aaaa1111")):
+        code, out = _cache(capsys, "prune", "--older-than", "2d")
+    assert code == 0 and "removed 1" in out and "kept aaaa1111-g1: a process is compiling into it now" in out
+    assert _left(entries) == ["aaaa1111-g1", "aaaa1111.lock", "aaaa2222-g2"]
+    assert not stray.exists() and fresh.exists(), "only temporary files of dead writers go"
+
+
+@pytest.mark.parametrize("args,message", [
+    ((), "prune needs --older-than AGE and/or --max-size SIZE"),
+    (("--max-size", "lots"), "expected a number and an optional unit"),
+    (("aaaa", "--max-size", "1G"), "to remove chosen entries use `vgraph cache clear`"),
+])
+def test_cache_prune_errors_are_one_line_and_remove_nothing(entries, capsys, args, message):
+    code, out = _cache(capsys, "prune", *args)
+    assert code == 2 and message in out
+    assert len(_left(entries)) == 3
 
 
 def test_cache_clear_by_entry_prefix(entries, capsys):

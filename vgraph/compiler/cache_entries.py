@@ -1,5 +1,6 @@
-"""The compile cache's entries as the operator sees them: what each was made for, when it was
-created and last used, and the selectors of ``vgraph cache clear`` (see cache_dir.md).
+"""The compile cache's entries as the operator sees them: what each was made for (model and
+key fields), its size, when it was created and last used, the selectors of ``vgraph cache
+clear``, and ``vgraph cache prune`` (see cache_dir.md).
 
 Each entry folder holds a ``meta.json`` written once, atomically, when the entry is created
 (model name and path, architecture, dtype, quantization, passes, ...); a warm start rewrites
@@ -25,6 +26,9 @@ META_FILE = "meta.json"
 TEMP_PREFIX = ".tmp-"  # half-written files of a running (or killed) writer; never read
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
+_UNIT_BYTES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+STRAY_TEMP_SECONDS = 3600.0  # a .tmp-* file this old belongs to a writer that died: prune removes it
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -131,17 +135,49 @@ class CacheEntry:
 def describe_entry(entry: CacheEntry, now: Optional[float] = None) -> str:
     """The entry's block in ``vgraph cache list``."""
     m = entry.meta
-    passes = ", ".join(map(str, m["passes"])) if isinstance(m.get("passes"), list) and m["passes"] else "none"
+    key = m.get("key") if isinstance(m.get("key"), dict) else {}
     return "\n".join([
         f"  {entry.name}",
         f"    model:        {entry.model} ({m.get('architecture') or '?'})",
         f"    dtype:        {m.get('dtype') or '?'}, quantization: {m.get('quantization') or 'none'}, "
         f"linears: {m.get('linears') or '?'}",
-        f"    passes:       {passes}",
-        f"    artifacts:    {entry.artifacts} ({entry.bytes / 2**20:.1f} MiB in all)",
+        f"    passes:       {_passes(m.get('passes'), key.get('pass_uuids'))}",
+        *_key_lines(key),
+        f"    artifacts:    {entry.artifacts} ({format_size(entry.bytes)} in all)",
         f"    created:      {_when(m.get('created'), now)}",
         f"    last used:    {_when(m.get('last_used'), now)}",
     ])
+
+
+def _passes(names: Any, uuids: Any) -> str:
+    """Pass names, each with its uuid when the entry recorded them."""
+    if not isinstance(names, list) or not names:
+        return "none"
+    uuids = uuids if isinstance(uuids, dict) else {}
+    return ", ".join(f"{n} (uuid {uuids[n]})" if uuids.get(n) else str(n) for n in names)
+
+
+def _key_lines(key: dict) -> list[str]:
+    """What the entry's key was made of (entries from before key fields were recorded: none)."""
+    if not key:
+        return []
+    device = " ".join(str(key[k]) for k in ("device", "gpu", "machine") if key.get(k))
+    compile_ = key.get("compile") if isinstance(key.get("compile"), dict) else {}
+    return [
+        f"    key:          vgraph {key.get('vgraph')}, torch {key.get('torch')}, triton {key.get('triton')}, "
+        f"python {key.get('python')}, {device or '?'}, rank {key.get('rank')} of {key.get('world_size')}",
+        f"    model config: {key.get('model_type') or '?'} {key.get('model_config')}, layout {key.get('layout')}",
+        f"    compile:      sizes {compile_.get('compile_sizes')}, custom ops {compile_.get('custom_ops')}, "
+        f"fusion {compile_.get('enable_fusion')}, split at {', '.join(compile_.get('splitting_ops') or [])}",
+    ]
+
+
+def format_size(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _when(stamp: Any, now: Optional[float]) -> str:
@@ -189,6 +225,16 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+def parse_size(text: str) -> int:
+    """``500M``, ``2G``, ``1.5GiB``, ``100k``, ``4096`` in bytes (units are powers of 1024);
+    ValueError names what is accepted."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"--max-size {text!r}: expected a number and an optional unit, e.g. 500M, 2G "
+                         "(units: K, M, G, T; powers of 1024)")
+    return int(float(match.group(1)) * _UNIT_BYTES[(match.group(2) or "").lower()])
+
+
 def find_entry(entries: list[CacheEntry], name: str) -> CacheEntry:
     """The entry called ``name``, or the only one whose name starts with it; ValueError when
     none or several do (the message lists the candidates, so the operator can type more)."""
@@ -220,17 +266,79 @@ def select_entries(entries: list[CacheEntry], name: Optional[str] = None, model:
 def remove_entries(entries: list[CacheEntry]) -> int:
     """Deletes the entries' folders; returns how many went (one removed meanwhile still counts
     as gone, one that cannot be removed is logged and not counted)."""
-    removed = 0
-    for entry in entries:
-        try:
-            shutil.rmtree(entry.path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            logger.warning("could not remove compile cache entry %s (%s)", entry.path, exc)
-            continue
-        removed += 1
-    return removed
+    return sum(1 for entry in entries if _remove(entry))
+
+
+def _remove(entry: CacheEntry) -> bool:
+    try:
+        shutil.rmtree(entry.path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove compile cache entry %s (%s)", entry.path, exc)
+        return False
+    return True
+
+
+@dataclass
+class PruneResult:
+    """What ``prune`` did: the entries removed, those kept because a process was compiling
+    into them, and what is left."""
+
+    removed: list[CacheEntry]
+    busy: list[CacheEntry]
+    left: int
+    left_bytes: int
+
+
+def prune(root: Path, older_than: Optional[float] = None, max_size: Optional[int] = None,
+          now: Optional[float] = None) -> PruneResult:
+    """Removes the entries last used more than ``older_than`` seconds ago, then the least
+    recently used ones until the rest take at most ``max_size`` bytes. An entry whose
+    configuration a process is compiling now (its lock is held) is kept: it is in use.
+    Also removes temporary files left by dead writers and lock files of keys with no entry."""
+    entries = list_entries(root)
+    busy = [e for e in entries if _compiling(root, e)]
+    busy_names = {e.name for e in busy}
+    idle = sorted((e for e in entries if e.name not in busy_names), key=lambda e: e.last_used or 0.0)
+    doomed = select_entries(idle, older_than=older_than, now=now) if older_than is not None else []
+    total = sum(e.bytes for e in entries) - sum(e.bytes for e in doomed)
+    for entry in idle:
+        if max_size is None or total <= max_size:
+            break
+        if entry not in doomed:
+            doomed.append(entry)
+            total -= entry.bytes
+    removed = [e for e in doomed if _remove(e)]
+    _remove_strays(root, now)
+    left = [e for e in entries if e not in removed]
+    return PruneResult(removed, busy, len(left), sum(e.bytes for e in left))
+
+
+def _config_key(entry_name: str) -> str:
+    return entry_name.split("-", 1)[0]
+
+
+def _compiling(root: Path, entry: CacheEntry) -> bool:
+    from .cache_lock import is_held, lock_path
+    return is_held(lock_path(root, _config_key(entry.name)))
+
+
+def _remove_strays(root: Path, now: Optional[float]) -> None:
+    """Temporary files older than STRAY_TEMP_SECONDS (a killed writer's), and lock files no
+    process holds whose key has no entry left."""
+    from .cache_lock import LOCK_SUFFIX, is_held
+    base = root / "compile"
+    cutoff = (time.time() if now is None else now) - STRAY_TEMP_SECONDS
+    keys = {_config_key(e.name) for e in list_entries(root)}
+    try:
+        temps = [p for p in base.glob(f"*/{TEMP_PREFIX}*") if p.stat().st_mtime < cutoff]
+        locks = [p for p in base.glob(f"*{LOCK_SUFFIX}")
+                 if p.name[:-len(LOCK_SUFFIX)] not in keys and not is_held(p)]
+    except OSError:
+        return
+    for path in temps + locks:
+        remove_quietly(str(path))
 
 
 def clear_all(root: Path) -> int:
