@@ -6,7 +6,12 @@ served a graph compiled by its previous version. ``VgraphPass.uuid()`` therefore
 source of the modules the pass lives in together with its ``config()``.
 
 Match counts are the research interface: every pass exposes ``matched_count`` (matches in
-its last call) and ``total_matched`` (all calls so far).
+its last call), ``total_matched`` (all calls so far) and ``last_pattern_counts`` (its last
+call's matches per pattern). A pass is called once per graph Inductor compiles: once per
+*distinct* piece graph and compile size, not once per layer (identical layers compile once).
+
+``position`` ("before" or "after", default "after") says where a pass given to
+``CompileConfig(passes=[...])`` runs relative to vgraph's own passes (``loading.py``).
 """
 from __future__ import annotations
 
@@ -56,6 +61,8 @@ class VgraphPass(CustomGraphPass):
     matched_count: int = 0
     #: Matches over all calls since construction (or ``reset_counts``).
     total_matched: int = 0
+    #: Where the pass runs when given to the engine: "before" or "after" vgraph's own passes.
+    position: str = "after"
 
     @abstractmethod
     def apply(self, graph: torch.fx.Graph) -> Mapping[str, int]:
@@ -69,16 +76,27 @@ class VgraphPass(CustomGraphPass):
         counts = self.apply(graph)
         self.matched_count = sum(counts.values())
         self.total_matched += self.matched_count
-        self.pattern_counts.update({k: v for k, v in counts.items() if v})
+        self.last_pattern_counts = {k: v for k, v in counts.items() if v}
+        self.pattern_counts.update(self.last_pattern_counts)
 
     @property
     def pattern_counts(self) -> Counter:
         """Cumulative matches per pattern, e.g. ``{"rms_norm_static_fp8_quant": 2}``."""
         return self.__dict__.setdefault("_pattern_counts", Counter())
 
+    @property
+    def last_pattern_counts(self) -> dict[str, int]:
+        """Matches per pattern in the most recent call (patterns without a match left out)."""
+        return self.__dict__.get("_last_pattern_counts", {})
+
+    @last_pattern_counts.setter
+    def last_pattern_counts(self, counts: dict[str, int]) -> None:
+        self.__dict__["_last_pattern_counts"] = counts
+
     def reset_counts(self) -> None:
         self.matched_count = 0
         self.total_matched = 0
+        self.last_pattern_counts = {}
         self.pattern_counts.clear()
 
     @property
@@ -120,7 +138,7 @@ class CallablePass(CustomGraphPass):
 
     The callable reports matches either by returning an int or by setting its own
     ``matched_count`` to the number of matches of the call (as ``VgraphPass`` does); without
-    either, its count stays 0.
+    either, its count stays 0. Its one pattern is its own name.
     """
 
     def __init__(self, fn: Callable[[torch.fx.Graph], Any], name: Optional[str] = None) -> None:
@@ -142,6 +160,14 @@ class CallablePass(CustomGraphPass):
             count = getattr(self.fn, "matched_count", 0)
         self.matched_count = int(count)
         self.total_matched += self.matched_count
+
+    @property
+    def last_pattern_counts(self) -> dict[str, int]:
+        return {self.pass_name: self.matched_count} if self.matched_count else {}
+
+    @property
+    def position(self) -> str:
+        return getattr(self.fn, "position", "after")
 
     def reset_counts(self) -> None:
         self.matched_count = 0

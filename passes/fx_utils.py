@@ -1,13 +1,39 @@
-"""Small helpers for reading and rewriting Inductor's post-grad FX graphs.
+"""Helpers for reading and rewriting Inductor's post-grad FX graphs: for pass authors.
 
-The fusion passes walk the graph directly instead of using Inductor's pattern matcher: the
-patterns are short chains of custom ops, and a walk states every condition of a match (who
-else uses an intermediate, which dim a slice cuts, where the new node goes) in plain code
-that a reader can check. These helpers keep the passes themselves short.
+vgraph's fusion passes walk the graph directly instead of using Inductor's pattern matcher:
+the patterns are short chains of custom ops, and a walk states every condition of a match
+(who else uses an intermediate, which dim a slice cuts, where the new node goes) in plain
+code that a reader can check. A user pass can do the same with these helpers.
+
+What a pass sees: Inductor calls it on the *post-grad* graph of one compiled piece, after
+functionalization and Inductor's decompositions. Custom ops are ``call_function`` nodes whose
+target is an ``OpOverload`` (``torch.ops.vgraph.rms_norm.default``); a tuple result is read
+through ``operator.getitem`` nodes; every node carries its fake value in ``node.meta["val"]``,
+whose sizes may be SymInts (the token dimension is dynamic). ``vgraph passes report`` or a
+``dump_graphs_dir`` shows these graphs as Python.
+
+The rules a rewrite follows (each helper below serves one of them):
+
+- match on what a node computes, not how it was spelled: ``is_call`` for the target,
+  ``op_args`` to read arguments by schema name whatever their positional/keyword spelling;
+- only fuse what nothing else reads: ``only_user``, ``users_within``, ``getitem_users``
+  (if an intermediate has another reader, it must be computed anyway);
+- decide shapes without guards: ``known_equal`` / ``known_at_least`` answer "provably",
+  so a symbolic size never adds a recompile condition;
+- insert where every input exists: ``node_order``, ``defined_before``;
+- give the new node the replaced node's ``meta`` (``copy_meta``): later Inductor passes and
+  lowering read ``meta["val"]``;
+- erase what became dead (``erase_dead``), users first, and return match counts per pattern
+  name (``op_name`` gives the fused op's short name). The pass manager lints the graph after
+  every pass, so a broken rewrite fails at that pass, not deep inside Inductor.
+
+``op_counts`` counts a graph's calls by target, as the pass manager records them before and
+after each pass.
 """
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Optional
 
@@ -18,6 +44,25 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 # Meta entries a replacement node inherits from the node whose value it now produces:
 # "val" (the fake tensor) is what later Inductor passes and lowering read.
 _COPIED_META = ("val", "tensor_meta", "stack_trace")
+
+
+def target_name(node: Node) -> str:
+    """A readable, process-independent name for what a node calls: ``vgraph.rms_norm.default``,
+    ``aten.mul.Tensor``, ``getitem``; placeholders and outputs are named by their op."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return node.op
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return str(target)
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__name__", type(target).__name__)
+
+
+def op_counts(graph: Graph) -> Counter:
+    """Calls per target name (``target_name``); placeholders and the output are left out."""
+    return Counter(target_name(n) for n in graph.nodes
+                   if n.op in ("call_function", "call_method", "call_module"))
 
 
 def is_call(node: Any, *targets: Any) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import importlib
 import logging
 import os
 import re
@@ -23,7 +22,7 @@ DESCRIPTION = (
     "vgraph runs Hugging Face decoder models (Llama, Mistral, Qwen2, Qwen3) through torch.compile "
     "and CUDA graphs. Commands: serve starts an OpenAI-compatible HTTP server; generate completes "
     "prompts offline; compile fills the compile cache so later starts are warm; cache lists or "
-    "clears that cache; ops lists vgraph's custom ops or checks their Triton kernels; doctor checks "
+    "clears that cache; passes report shows what fusion passes do to a model; ops lists vgraph's custom ops or checks their Triton kernels; doctor checks "
     "the CUDA path on this machine. serve, generate and compile take a model (a local Hugging Face "
     "directory or a hub id) and run the built-in demo model without one. 'vgraph COMMAND --help' "
     "lists a command's options.")
@@ -133,25 +132,77 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load_pass(spec: str) -> Any:
-    """``--pass MODULE:NAME``: the attribute NAME of MODULE, instantiated (no arguments) if it is
-    a class, since a pass class is what a user module usually defines. MODULE may also be a
-    file in the current directory, as with ``python -m`` (the ``vgraph`` script's sys.path does
-    not hold it); appended, so it never shadows an installed module."""
-    module_name, sep, attr = spec.partition(":")
-    if not (sep and module_name and attr):
-        raise UserError(f"--pass {spec!r}: expected MODULE:NAME, e.g. my_passes:MyPass")
+    """``--pass [before:]MODULE:NAME`` or ``--pass [before:]path/to/file.py:NAME`` (see
+    vgraph/passes/loading.py); a class is instantiated without arguments. MODULE may also be a
+    file in the current directory, as with ``python -m`` (the ``vgraph`` script's sys.path
+    does not hold it); appended, so it never shadows an installed module."""
+    from vgraph.passes.loading import PassSpecError, load_pass
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     try:
-        found = getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        raise UserError(f"--pass {spec!r}: cannot import {module_name!r} ({exc})") from None
-    except AttributeError:
-        raise UserError(f"--pass {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    made = found() if isinstance(found, type) else found
-    if not callable(made):
-        raise UserError(f"--pass {spec!r}: {type(made).__name__} is not callable on an FX graph")
-    return made
+        return load_pass(spec)
+    except PassSpecError as exc:
+        raise UserError(f"--pass {spec!r}: {exc.reason}") from None
+
+
+# Engine settings `passes report` decides itself: each variant's passes, and a cold compile.
+_REPORT_SETS = ("level", "enable_fusion", "use_cache", "dump_graphs_dir")
+
+
+def _add_report_args(p: argparse.ArgumentParser) -> None:
+    """``passes report``: its own flags, then the engine's (those it does not set itself)."""
+    from vgraph.config import SECTIONS
+    g = p.add_argument_group("report options")
+    g.add_argument("--no-default-passes", dest="default_passes", action="store_false",
+                   help="study only the --pass passes, without vgraph's own fusion passes (included by default)")
+    g.add_argument("--tokens", type=int, default=16,
+                   help="greedy tokens generated per prompt for the agreement check (default: 16)")
+    g.add_argument("--repeats", type=int, default=5, help="timed rounds per batch bucket (default: 5)")
+    g.add_argument("--decode-sizes", type=int, nargs="*", default=[1, 8, 32],
+                   help="decode buckets timed, in sequences (default: 1 8 32)")
+    g.add_argument("--prefill-tokens", type=int, default=128,
+                   help="tokens of the timed prefill; 0 skips it (default: 128)")
+    g.add_argument("--out", default="pass-report",
+                   help="directory for report.md, report.json and graphs/ (default: ./pass-report)")
+    notes = _here_notes()
+    for section, kind in SECTIONS.items():
+        group = p.add_argument_group(f"engine options ({kind.__name__}), for both variants")
+        skip = (*SECTIONS, *_REPORT_SETS) if section == "engine" else _REPORT_SETS
+        add_field_options(group, kind, skip=skip, notes=notes)
+
+
+def _cmd_passes(args: argparse.Namespace) -> int:
+    """``passes report``: compiles the model without and with the passes under study and writes
+    the report (vgraph/lab/report.py); prints where it is and its headline figures."""
+    from vgraph.config import FIELD_SECTION
+    for flag, value in (("--tokens", args.tokens), ("--repeats", args.repeats)):
+        if value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    kwargs = {name: getattr(args, name) for name in FIELD_SECTION if hasattr(args, name)}
+    studied = [_load_pass(spec) for spec in kwargs.pop("passes")]
+    if not studied and not args.default_passes:
+        raise UserError("--no-default-passes without --pass leaves no pass to study")
+    from vgraph.lab import report
+    from vgraph.models.demo import DEMO_MODEL_NAME
+    model = args.model or DEMO_MODEL_NAME
+    if args.model:
+        _check_model(args.model)
+    kwargs.pop("model", None)
+    result = report(model, studied, default_passes=args.default_passes, tokens=args.tokens, out=args.out,
+                    repeats=args.repeats, decode_sizes=args.decode_sizes,
+                    prefill_tokens=args.prefill_tokens or None, **kwargs)
+    data = result.data
+    print(f"passes:        {' -> '.join(data['config']['run_order']) or 'none'}")
+    print("matches:       " + ", ".join(f"{name}={t['piece_instances']} sites ({t['distinct_graphs']} in distinct "
+                                        f"graphs)" for name, t in data["matches"]["per_pass"].items()))
+    for dtype, n in data["numerics"].items():
+        print(f"{dtype + ':':<14} logits max |diff| {n['logits']['max_abs']:.3g}, greedy agreement "
+              f"{n['greedy']['agreement']:.0%} over {n['greedy']['tokens']} tokens")
+    print("step time:     " + ", ".join(f"{name} {row['speedup']:.2f}x" for name, row in data["step_times"].items())
+          + " (with vs without passes)")
+    print(f"report:        {result.markdown_path}")
+    print(f"data:          {result.json_path}")
+    return 0
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -460,6 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check the CUDA path on this machine: kernels, graph capture, "
                                            "replay vs eager (about a minute on a GPU)")
     doctor.set_defaults(handler=_cmd_doctor)
+    passes = sub.add_parser("passes", help="compile a model without and with fusion passes and report matches, "
+                                           "graph diffs, numerics, step times and Inductor's kernels",
+                            deferred=_add_report_args)
+    passes.add_argument("action", choices=["report"],
+                        help="report: write report.md and report.json (see vgraph/lab/report.py)")
+    _add_model_positional(passes, "report on")
+    passes.set_defaults(handler=_cmd_passes)
     cache = sub.add_parser("cache", help="list, clear or prune compile cache entries ($VGRAPH_CACHE_DIR)")
     cache.add_argument("action", choices=["list", "ls", "clear", "prune"],
                        help="list (or ls): each entry's model, key fields, size, creation and last use; "

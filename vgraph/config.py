@@ -163,9 +163,12 @@ class CompileConfig:
         "token counts compiled statically besides the dynamic shape", nargs="*"))
     enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul)",
                                                            negative="--no-fusion"))
+    # Pass objects, PlacedPass (a pass and its position) or specs ("[before:]module:Name",
+    # "[before:]path/to/file.py:Name"), which are loaded here: see vgraph/passes/loading.py.
     passes: list = field(default_factory=list, metadata=cli(
-        "a user pass, MODULE:NAME (a callable on an FX graph with uuid(), or a class making one); "
-        "runs after vgraph's own (repeatable)", flag="--pass"))
+        "a user pass, MODULE:NAME or path/to/file.py:NAME (a callable on an FX graph with uuid(), or "
+        "a class making one); runs after vgraph's own passes, or before them as before:MODULE:NAME "
+        "(or when the pass's position attribute says before). Repeatable", flag="--pass"))
     # True: norms and activations call vgraph's ops; False: plain torch, and Inductor generates
     # their kernels. None: see ``resolved_custom_ops``.
     custom_ops: Optional[bool] = field(default=None, metadata=cli(
@@ -190,6 +193,8 @@ class CompileConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", _enum(CompileLevel, self.level, "compile level"))
         object.__setattr__(self, "cudagraph_mode", _enum(CudaGraphMode, self.cudagraph_mode, "cudagraph_mode"))
+        if self.passes:
+            object.__setattr__(self, "passes", _loaded_passes(self.passes))
         if any(not isinstance(n, int) or n < 1 for n in self.compile_sizes):
             raise ValueError(f"compile_sizes must be positive token counts, got {self.compile_sizes}")
         sizes = self.cudagraph_capture_sizes
@@ -226,6 +231,16 @@ class CompileConfig:
         if self.cudagraph_mode is None:
             return CudaGraphMode.FULL_AND_PIECEWISE if device_type == "cuda" else CudaGraphMode.NONE
         return self.cudagraph_mode
+
+
+def _loaded_passes(passes: list) -> list:
+    """Specs loaded into passes (a bad spec or position is a ValueError naming it); imported
+    here, not at module level, so a config without passes never imports the pass library."""
+    from vgraph.passes.loading import load_pass, position_of
+    loaded = [load_pass(p) if isinstance(p, str) else p for p in passes]
+    for p in loaded:
+        position_of(p)
+    return loaded
 
 
 @dataclass(frozen=True)

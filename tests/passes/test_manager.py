@@ -12,7 +12,7 @@ import vgraph.passes.base as base
 from vgraph.passes import (CallablePass, PassManager, RMSNormQuantFusionPass, SiluMulFusionPass,
                            VgraphPass, default_passes)
 
-from . import EPS, V, GraphRecorder, apply, scale, trace
+from . import EPS, V, GraphRecorder, apply, assert_outputs_match, scale, trace
 
 
 def block(x, w, s):
@@ -179,18 +179,64 @@ def test_no_source_means_no_uuid(monkeypatch):
     assert PassManager([SiluMulFusionPass(), no_uuid_yet]).uuid() is None
 
 
-def test_example_user_pass_composes_with_vgraph_passes():
-    """examples/user_pass.py: its plain-torch RMSNorm rewrite feeds vgraph's quant fusion."""
+def _example():
     path = Path(__file__).resolve().parents[2] / "examples" / "user_pass.py"
     spec = importlib.util.spec_from_file_location("user_pass_example", path)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
 
-    manager = PassManager([example.PlainRMSNormPass(), *default_passes(),
-                           example.count_vgraph_ops])
-    x, w = torch.randn(4, 32), torch.randn(32)
-    gm = apply(manager, trace(example.block, x, w, scale()))
-    assert manager.match_counts() == {"PlainRMSNormPass": 1, "RMSNormQuantFusionPass": 1,
-                                      "SiluMulFusionPass": 0, "count_vgraph_ops": 1}
-    assert torch.equal(gm(x, w, scale()).view(torch.uint8),
-                       example.block(x, w, scale()).view(torch.uint8))
+
+def plain_block(x, w1, w2):
+    """Plain-torch norm -> plain dynamic quant, twice: what the demo model compiles to with
+    custom ops off and fp8 on (the residual add feeding the second norm is read twice)."""
+    from vgraph.ops.fp8 import dynamic_per_token_scaled_fp8_quant_reference as quant
+    from vgraph.ops.norm import rms_norm_reference as norm
+    q1, s1 = quant(norm(x, w1, EPS))
+    r = x + q1.float() * s1
+    q2, s2 = quant(norm(r, w2, EPS))
+    return q2, s2, r
+
+
+def test_example_lifting_passes_feed_vgraph_fusion_only_when_placed_before():
+    """examples/user_pass.py: lifted to vgraph's ops before vgraph's passes, every norm+quant
+    fuses; after them, nothing does, though the lifts match the same sites."""
+    example = _example()
+    x, w1, w2 = torch.randn(4, 32), torch.randn(32), torch.randn(32)
+    for lifts_first, fused in ((True, 2), (False, 0)):
+        lifts = [example.PlainRMSNormPass(), example.PlainDynamicQuantPass()]
+        order = [*lifts, *default_passes()] if lifts_first else [*default_passes(), *lifts]
+        manager = PassManager(order)
+        gm = apply(manager, trace(plain_block, x, w1, w2))
+        counts = manager.match_counts()
+        assert counts["PlainRMSNormPass"] == 2 and counts["PlainDynamicQuantPass"] == 2
+        assert counts["RMSNormQuantFusionPass"] == fused
+        assert_outputs_match(gm(x, w1, w2), plain_block(x, w1, w2))
+
+
+# ------------------------------------------------------------------ history and labels
+
+
+def test_history_records_each_pass_per_labelled_graph(tmp_path):
+    manager = PassManager(default_passes(), dump_dir=tmp_path)
+    with manager.labelled(piece=2, size="dynamic"):
+        apply(manager, block_graph())
+    apply(manager, block_graph())  # unlabelled: the plain dump names
+    first, second = manager.history
+    assert first.labels == {"piece": "2", "size": "dynamic"} and second.labels == {}
+    norm, silu = first.steps
+    assert (norm.name, norm.matches, norm.patterns) == ("RMSNormQuantFusionPass", 1, {"rms_norm_static_fp8_quant": 1})
+    assert norm.removed == {"vgraph.rms_norm.default": 1, "vgraph.static_scaled_fp8_quant.default": 1}
+    assert norm.added == {"vgraph.rms_norm_static_fp8_quant.default": 1}
+    assert norm.ops_before["vgraph.rms_norm.default"] == 1 and "vgraph.rms_norm.default" not in norm.ops_after
+    assert silu.patterns == {"silu_and_mul": 1, "silu_and_mul_static_fp8_quant": 1}
+    assert silu.added == {"vgraph.silu_and_mul_static_fp8_quant.default": 1}
+    assert sum(silu.ops_after.values()) < sum(silu.ops_before.values())
+    assert norm.dumps == ("graph001_piece-2_size-dynamic_01_RMSNormQuantFusionPass_before.py",
+                          "graph001_piece-2_size-dynamic_01_RMSNormQuantFusionPass_after.py")
+    assert all((tmp_path / name).is_file() for name in norm.dumps)
+    assert (tmp_path / "graph002_01_RMSNormQuantFusionPass_before.py").is_file()
+    assert "# graph 1 (piece 2, size dynamic), before pass 1" in (tmp_path / norm.dumps[0]).read_text()
+    assert manager.labels == {}, "labels end with their block"
+    manager.reset_counts()
+    assert manager.history == []

@@ -2,12 +2,14 @@
 (vgraph's passes as the post-grad custom pass), cache the artifacts."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch._guards import detect_fake_mode
@@ -56,6 +58,31 @@ def graph_hash(gm: torch.fx.GraphModule) -> str:
     return hashlib.sha256(gm.code.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class PieceCompile:
+    """The Inductor compile running now: which piece of the split graph (``submod_3`` is piece
+    3), its structural hash, and the size ("dynamic" or a token count from compile_sizes)."""
+
+    piece: int
+    piece_hash: str
+    size: str
+
+
+_COMPILING: contextvars.ContextVar[Optional[PieceCompile]] = contextvars.ContextVar("vgraph_compiling",
+                                                                                    default=None)
+
+
+def compiling_now() -> Optional[PieceCompile]:
+    """The piece Inductor is compiling for vgraph in this thread, or None: lets an observer of
+    Inductor (the pass report's kernel capture) tell which piece and size its output is for."""
+    return _COMPILING.get()
+
+
+def piece_index(target: str) -> int:
+    """``submod_3`` -> 3: split_module names pieces by their position in the split."""
+    return int(target.rsplit("_", 1)[-1])
+
+
 class VgraphBackend:
     """Called by Dynamo with the captured graph; returns the split graph whose compiled
     pieces are ``PieceRunner``s."""
@@ -69,6 +96,8 @@ class VgraphBackend:
         self._artifacts: dict[tuple[str, str], Callable] = {}
         self._not_on_disk: set[tuple[str, str]] = set()
         self._graph_matches: dict[str, dict[str, int]] = {}  # piece hash -> pass -> matches
+        #: Compiled piece -> its structural hash, in the split's order (identical layers share a hash).
+        self.piece_hashes: dict[str, str] = {}
         self._inductor_pass = _RunEveryTime(post_grad_pass) if post_grad_pass is not None else None
         self.dynamo_started: Optional[float] = None  # set by the caller before tracing
         # Set by the caller before tracing: the model and the call's tensors, to bind graph inputs.
@@ -173,6 +202,7 @@ class VgraphBackend:
             logger.info("captured graph found but some artifacts are missing; tracing with Dynamo")
             return None
         hashes = [r.piece_hash for r in record["pieces"].values()]
+        self.piece_hashes = {target: r.piece_hash for target, r in record["pieces"].items()}
         c = self.counters
         c.pieces = sum(1 for n in split.graph.nodes if n.op == "call_module")
         c.compiled_pieces, c.unique_piece_graphs = len(hashes), len(set(hashes))
@@ -230,8 +260,9 @@ class VgraphBackend:
         return arg
 
     def artifact(self, module: torch.fx.GraphModule, args: list, piece_hash: str, size: Optional[int],
-                 real_by_fake: dict, symbol: Any) -> Optional[Callable]:
-        """The compiled callable for one (piece, size): memory, then disk, then Inductor."""
+                 real_by_fake: dict, symbol: Any, piece: int = 0) -> Optional[Callable]:
+        """The compiled callable for one (piece, size): memory, then disk, then Inductor.
+        ``piece`` (the index of the first piece with this graph) labels the compile."""
         label = "dynamic" if size is None else str(size)
         key = (piece_hash, label)
         if key in self._artifacts:
@@ -243,7 +274,8 @@ class VgraphBackend:
         example = args if size is None else _concrete_args(args, size, symbol, real_by_fake)
         if example is None:
             return None
-        artifact = self._inductor(module, example, dynamic=size is None)
+        with self._labelled(PieceCompile(piece, piece_hash, label)):
+            artifact = self._inductor(module, example, dynamic=size is None)
         if size is None and self.post_grad_pass is not None:
             self._graph_matches[piece_hash] = dict(getattr(self.post_grad_pass, "last_match_counts", {}))
         self.counters.inductor_seconds += time.perf_counter() - start
@@ -251,6 +283,18 @@ class VgraphBackend:
             self.counters.cache_saves += 1
         self._artifacts[key] = artifact
         return artifact
+
+    @contextlib.contextmanager
+    def _labelled(self, compile_: PieceCompile) -> Iterator[None]:
+        """Tells observers what is being compiled: ``compiling_now()``, and the pass manager's
+        labels (its graph dumps and history name the piece and size)."""
+        token = _COMPILING.set(compile_)
+        label = getattr(self.post_grad_pass, "labelled", None)
+        try:
+            with label(piece=compile_.piece, size=compile_.size) if label else contextlib.nullcontext():
+                yield
+        finally:
+            _COMPILING.reset(token)
 
     def _inductor(self, module: torch.fx.GraphModule, example: list, dynamic: bool) -> Any:
         self.counters.inductor_compilations += 1
@@ -368,10 +412,12 @@ class _PieceCompiler(torch.fx.Interpreter):
         self.piece_hashes.append(piece_hash)
         self.backend.counters.unique_piece_graphs = len(self.unique)
         b = self.backend
-        dynamic = b.artifact(module, args, piece_hash, None, self.real_by_fake, self.symbol)
+        b.piece_hashes[target] = piece_hash
+        index = piece_index(target)
+        dynamic = b.artifact(module, args, piece_hash, None, self.real_by_fake, self.symbol, index)
         static = {}
         for size in b.config.compile_sizes:
-            art = b.artifact(module, args, piece_hash, size, self.real_by_fake, self.symbol)
+            art = b.artifact(module, args, piece_hash, size, self.real_by_fake, self.symbol, index)
             if art is not None:
                 static[size] = art
         token_dim: Optional[TokenDim] = find_token_dim(args, self.symbol)

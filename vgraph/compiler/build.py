@@ -22,12 +22,13 @@ logger = logging.getLogger("vgraph")
 
 
 def build_pass_manager(config: EngineConfig) -> Optional[Any]:
-    """vgraph's fusion passes (when enabled) followed by the user's passes; None if none."""
+    """The user's passes placed "before", vgraph's fusion passes (when enabled), then the
+    user's other passes (vgraph/passes/loading.py); None if there are none."""
     if not config.compile.enable_fusion and not config.compile.passes:
         return None
-    from vgraph.passes import PassManager, default_passes
+    from vgraph.passes import PassManager, arrange, default_passes
     own = default_passes(lift_plain_torch=config.compile.custom_ops is not False)
-    passes = (own if config.compile.enable_fusion else []) + list(config.compile.passes)
+    passes = arrange(own if config.compile.enable_fusion else [], config.compile.passes)
     return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
 
 
