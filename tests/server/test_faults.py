@@ -229,14 +229,15 @@ def test_streams_cut_by_the_shutdown_deadline_end_with_an_error_event_and_done(l
 
 
 def test_kv_exhaustion_preempts_and_greedy_outputs_match_requests_made_alone():
-    """64 long prompts against a KV cache that holds a handful: preemption, same tokens."""
+    """64 long prompts against a KV cache of 1,040 tokens (about six of them): preemption,
+    and every greedy output equals the same request's made alone."""
     args = ["--enforce-eager", "--kv-cache-gib", "0.0005", "--max-num-seqs", "64", "--device", "cpu"]
     proc = ServerProcess(*args)
     try:
         proc.wait_ready()
         words = "river bread oven village stone bridge garden window rain night".split()
-        prompts = [" ".join(words[(i + j) % len(words)] for j in range(60 + i)) + f" {i}" for i in range(64)]
-        params = {"max_tokens": 24, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        prompts = [" ".join(words[(i + j) % len(words)] for j in range(40 + i // 2)) + f" {i}" for i in range(64)]
+        params = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}  # 94-167 + 16 tokens
 
         async def together() -> list[str]:
             async with proc.async_client() as client:
