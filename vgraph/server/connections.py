@@ -31,6 +31,7 @@ event-loop tick (thousands of tracebacks a second).
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -134,13 +135,13 @@ class GuardedH11Protocol(H11Protocol):
 
     guard: ConnectionGuard
 
-    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._phase: Optional[str] = None
         self._phase_start = 0.0
         self._body_bytes = 0
-        self._read_timer: Optional[object] = None
-        self._stall_timer: Optional[object] = None
+        self._read_timer: Optional[asyncio.TimerHandle] = None
+        self._stall_timer: Optional[asyncio.TimerHandle] = None
         if not self.guard.admit(self):
             self._refuse()
             return
@@ -268,9 +269,9 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
     @staticmethod
-    def _cancel(timer: Optional[object]) -> None:
+    def _cancel(timer: Optional[asyncio.TimerHandle]) -> None:
         if timer is not None:
-            timer.cancel()  # type: ignore[attr-defined]
+            timer.cancel()
 
 
 def _read_phase(conn: h11.Connection) -> Optional[str]:
