@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -33,9 +34,9 @@ PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 75))]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _engine() -> LLM:
-    return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=64,
-               max_num_batched_tokens=64, max_num_seqs=4)
+def _engine(model: Optional[str] = None, **kwargs) -> LLM:
+    return LLM(model or tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=64,
+               max_num_batched_tokens=64, max_num_seqs=4, **kwargs)
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
@@ -47,7 +48,7 @@ def _packed(llm: LLM) -> bool:
     return any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
 
 
-def _start(root: Path, plain_linears: bool = False) -> dict:
+def _start(root: Path, plain_linears: bool = False, **kwargs) -> dict:
     """An engine on the cache ``root``: its counters, tokens and whether it packed."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VGRAPH_CACHE_DIR", str(root))
@@ -55,7 +56,7 @@ def _start(root: Path, plain_linears: bool = False) -> dict:
             mp.setenv(ENV_SWITCH, "torch")
         else:
             mp.delenv(ENV_SWITCH, raising=False)
-        llm = _engine()
+        llm = _engine(**kwargs)
         return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm),
                 "packed": _packed(llm), "folder": llm.engine.runner.compile_cache.folder}
 
@@ -269,3 +270,84 @@ def test_the_demo_model_is_built_in_a_temporary_directory_when_the_root_is_a_fil
         path = Path(ensure_demo_model(root))
     assert path.name == DEMO_MODEL_NAME and (path / "config.json").is_file()
     assert root not in path.parents and "cannot write the demo model" in caplog.text
+
+
+# --- issue 18: damaged entries, checkpoints elsewhere, graph dumps ------------------------------
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def _flip_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _damage(entry: Path, how: str) -> int:
+    """Damages the entry; returns how many artifacts must be compiled again."""
+    artifact = sorted(entry.glob("*-dynamic.bin"))[0]
+    if how == "truncate an artifact":
+        artifact.write_bytes(artifact.read_bytes()[: artifact.stat().st_size // 2])
+        return 1
+    if how == "flip bytes in an artifact":
+        _flip_middle(artifact)
+        return 1
+    if how == "flip bytes in the captured record":
+        _flip_middle(next(entry.glob("captured-*.pkl")))
+        return 0
+    files = sorted(p for p in entry.iterdir() if p.is_file())
+    for victim in files[::2]:
+        victim.unlink()
+    return sum(1 for p in files[::2] if p.suffix == ".bin")
+
+
+@pytest.mark.parametrize("how", ["truncate an artifact", "flip bytes in an artifact",
+                                 "flip bytes in the captured record", "delete half the files"])
+def test_a_damaged_entry_is_detected_removed_and_recompiled_never_loaded(packed, tmp_path, caplog, how):
+    root = _copy(packed["root"], tmp_path)
+    (entry,) = _entries(root)
+    recompile = _damage(entry, how)
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        repaired = _start(root)
+    c = repaired["counters"]
+    assert repaired["tokens"] == packed["tokens"]
+    assert c.inductor_compilations == recompile, "only what was damaged or missing is compiled"
+    assert c.cache_loads == c.unique_piece_graphs - recompile, "the damaged artifact was not loaded"
+    assert c.pass_matches == packed["counters"].pass_matches != {}, "match counts survive any loss"
+    if how != "delete half the files":
+        (warning,) = _warnings(caplog)
+        assert "removed" in warning and ("checksum" in warning or "truncated" in warning), warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        warm = _start(root)
+    assert warm["counters"].captured_graph == "loaded" and warm["counters"].inductor_compilations == 0
+    assert warm["counters"].pass_matches == packed["counters"].pass_matches
+    assert _warnings(caplog) == [], "the repaired entry loads cleanly"
+
+
+def test_the_same_checkpoint_at_another_path_loads_warm(packed, tmp_path):
+    """The key is the checkpoint's content (config, dtype, ...), not where it lies."""
+    root = _copy(packed["root"], tmp_path)
+    moved = shutil.copytree(tiny_checkpoint(arch="llama"), tmp_path / "elsewhere" / "renamed-model")
+    warm = _start(root, model=str(moved))
+    assert warm["counters"].captured_graph == "loaded" and warm["counters"].inductor_compilations == 0
+    assert warm["tokens"] == packed["tokens"] and len(_entries(root)) == 1
+
+
+def test_dumping_graphs_on_a_warm_cache_compiles_and_dumps_every_piece(packed, tmp_path, caplog):
+    """Before: a warm start loaded every piece and dumped nothing, silently."""
+    root = _copy(packed["root"], tmp_path)
+    dumps = tmp_path / "dumps"
+    with caplog.at_level(logging.INFO, logger="vgraph"):
+        run = _start(root, dump_graphs_dir=str(dumps))
+    c = run["counters"]
+    assert "without reading the compile cache" in caplog.text
+    assert c.captured_graph != "loaded" and c.cache_loads == 0
+    assert c.inductor_compilations == c.unique_piece_graphs
+    names = sorted(p.name for p in dumps.iterdir())
+    pieces = {n.split("_piece-")[1].split("_")[0] for n in names}
+    assert len(pieces) == c.unique_piece_graphs, names
+    assert all("_size-dynamic_" in n for n in names), "each name carries the piece and the compile size"
+    assert run["tokens"] == packed["tokens"]

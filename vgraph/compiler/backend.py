@@ -238,13 +238,11 @@ class VgraphBackend:
     def _record_pass_matches(self, piece_hashes: list[str]) -> None:
         """Matches per site in the model: each compiled piece counts the matches of its graph,
         so identical layers compiled once still count once per layer. Counts of graphs
-        loaded from the cache come from the record the cold compile left there."""
+        loaded from the cache come from their artifacts' headers (written by the compile that
+        made them, so they are never another version's)."""
         if self.post_grad_pass is None:
             return
-        recorded = self.cache.read_pass_matches()
-        recorded.update(self._graph_matches)
-        if self._graph_matches:
-            self.cache.write_pass_matches(recorded)
+        recorded = {**self.cache.loaded_matches, **self._graph_matches}
         totals: dict[str, int] = {}
         for piece_hash in piece_hashes:
             for name, count in recorded.get(piece_hash, {}).items():
@@ -279,7 +277,8 @@ class VgraphBackend:
         if size is None and self.post_grad_pass is not None:
             self._graph_matches[piece_hash] = dict(getattr(self.post_grad_pass, "last_match_counts", {}))
         self.counters.inductor_seconds += time.perf_counter() - start
-        if self.config.use_cache and self.cache.save(artifact, piece_hash, label):
+        matches = self._graph_matches.get(piece_hash) if size is None else None
+        if self.config.use_cache and self.cache.save(artifact, piece_hash, label, matches):
             self.counters.cache_saves += 1
         self._artifacts[key] = artifact
         return artifact

@@ -71,9 +71,14 @@ class ArtifactTag:
     size: str  # "dynamic" or a compile size
 
 
-def pack_artifact(tag: ArtifactTag, inductor_bytes: bytes) -> bytes:
+def pack_artifact(tag: ArtifactTag, inductor_bytes: bytes,
+                  pass_matches: Optional[dict[str, int]] = None) -> bytes:
+    """The tagged file: ``pass_matches`` (the passes' matches on this piece's graph, from the
+    compile that made it) travel in the header, so a warm start that runs no pass still
+    reports them, and no other file can be lost or race for them."""
     header = json.dumps({"format": ARTIFACT_FORMAT, **asdict(tag), "bytes": len(inductor_bytes),
-                         "sha256": hashlib.sha256(inductor_bytes).hexdigest()}, sort_keys=True).encode()
+                         "sha256": hashlib.sha256(inductor_bytes).hexdigest(),
+                         "pass_matches": pass_matches or {}}, sort_keys=True).encode()
     return ARTIFACT_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + inductor_bytes
 
 
@@ -81,6 +86,11 @@ def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
     """The tag and Inductor's bytes, checked against the header's length and sha256;
     ValueError for a file that is not a whole tagged artifact (truncated, damaged, foreign,
     or written by a vgraph before checksums)."""
+    tag, _, payload = _unpack(data)
+    return tag, payload
+
+
+def _unpack(data: bytes) -> tuple[ArtifactTag, dict, bytes]:
     start = len(ARTIFACT_MAGIC) + _HEADER_LENGTH.size
     if not data.startswith(ARTIFACT_MAGIC) or len(data) < start:
         raise ValueError("not a vgraph artifact (no tag)")
@@ -97,7 +107,7 @@ def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
         raise ValueError(f"truncated: {len(payload)} payload bytes, the tag says {header.get('bytes')}")
     if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
         raise ValueError("damaged: the payload does not match its sha256 checksum")
-    return tag, payload
+    return tag, header, payload
 
 
 def _load_inductor(inductor_bytes: bytes) -> Callable:
@@ -125,6 +135,8 @@ class CompileCache:
         self._writable = root is not None
         self._ready: Optional[Path] = None  # the folder whose meta.json this run has written
         self._errors = 0  # unreadable entries and failed saves since the last take_errors()
+        #: Piece hash -> pass -> matches, from the headers of the dynamic artifacts loaded.
+        self.loaded_matches: dict[str, dict[str, int]] = {}
 
     def take_errors(self) -> int:
         errors, self._errors = self._errors, 0
@@ -150,16 +162,19 @@ class CompileCache:
         if path is None or not path.is_file():
             return None
         try:
-            tag, inductor_bytes = unpack_artifact(path.read_bytes())
+            tag, header, inductor_bytes = _unpack(path.read_bytes())
         except (OSError, ValueError) as exc:
             return self._unusable(path, f"unreadable ({exc})")
         expected = ArtifactTag(self.config_key, piece_hash, size)
         if tag != expected:
             return self._unusable(path, f"compiled for another piece or entry ({_tag_difference(tag, expected)})")
         try:
-            return _load_inductor(inductor_bytes)
+            loaded = _load_inductor(inductor_bytes)
         except Exception as exc:  # an incompatible or damaged Inductor payload: recompile, never crash
             return self._unusable(path, f"unreadable ({type(exc).__name__}: {exc})")
+        if size == "dynamic" and isinstance(header.get("pass_matches"), dict):
+            self.loaded_matches[piece_hash] = header["pass_matches"]
+        return loaded
 
     def _unusable(self, path: Path, why: str) -> None:
         """Logs, and removes the file: a damaged artifact is never loaded, not even by a
@@ -169,8 +184,10 @@ class CompileCache:
         cache_entries.remove_quietly(str(path))
         return None
 
-    def save(self, artifact: Any, piece_hash: str, size: str) -> bool:
-        """Writes the artifact, tagged, under its name; False when it is kept in memory only."""
+    def save(self, artifact: Any, piece_hash: str, size: str,
+             pass_matches: Optional[dict[str, int]] = None) -> bool:
+        """Writes the artifact, tagged (with the passes' matches on its graph), under its name;
+        False when it is kept in memory only."""
         path = self._path(piece_hash, size)
         if path is None or not self.ensure_folder():
             return False
@@ -180,7 +197,8 @@ class CompileCache:
             os.close(fd)
             artifact.save(path=tmp, format="binary")  # Inductor writes only to a path
             data = Path(tmp).read_bytes()
-            cache_entries.write_atomic(path, pack_artifact(ArtifactTag(self.config_key, piece_hash, size), data))
+            tag = ArtifactTag(self.config_key, piece_hash, size)
+            cache_entries.write_atomic(path, pack_artifact(tag, data, pass_matches))
             return True
         except OSError as exc:
             self._disable(exc)
@@ -253,22 +271,6 @@ class CompileCache:
         if self.folder is not None and self._writable:
             cache_entries.touch_last_used(self.folder, {**self.description, "config_key": self.config_key,
                                                         "graph_hash": self.graph_hash})
-
-    def write_pass_matches(self, matches: dict[str, dict[str, int]]) -> None:
-        """Pass matches per piece graph from the cold compile, for warm starts (which run no pass)."""
-        if not self.ensure_folder():
-            return
-        try:
-            cache_entries.write_json_atomic(self.folder / "pass_matches.json", matches)
-        except OSError as exc:
-            logger.warning("could not record pass matches in %s (%s)", self.folder, exc)
-
-    def read_pass_matches(self) -> dict[str, dict[str, int]]:
-        try:
-            matches = json.loads((self.folder / "pass_matches.json").read_text()) if self.folder else {}
-        except (OSError, ValueError):
-            return {}
-        return matches if isinstance(matches, dict) else {}
 
 
 def _tag_difference(found: ArtifactTag, expected: ArtifactTag) -> str:

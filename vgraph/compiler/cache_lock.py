@@ -1,10 +1,10 @@
 """One process at a time compiles a configuration into the compile cache (see cache_dir.md).
 
-Why a lock when every write is already atomic: without it, N engines started at once on a
-cold cache each trace and compile the whole model (N times the work, on the same cores), and
-their read-modify-writes of an entry's shared files (pass_matches.json) race. With it, the
-first compiles while the others wait, then load what it saved: every process comes up with
-the same artifacts, and only one paid for them.
+Why a lock when every write is already atomic and every file checksummed: without it, N
+engines started at once on a cold cache each trace and compile the whole model (N times the
+work, on the same cores, so each start takes about N times as long) and overwrite each other's
+files with equivalent ones. With it, the first compiles while the others wait, then load what
+it saved: every process comes up with the same artifacts, and only one paid for them.
 
 The lock is ``fcntl.flock`` on ``<root>/compile/<config key>.lock``: per config key rather
 than in the entry folder, because the folder's name also holds the hash of the graph Dynamo
