@@ -11,7 +11,12 @@ import torch
 
 from .timing import RESULTS_DIR, machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile", "serving", "decode", "hardening")
+SUITES = ("ops", "offline", "startup", "compile", "serving", "decode", "hardening", "fusion-study")
+
+
+def module_name(suite: str) -> str:
+    """A suite's module: its name with "-" as "_" (``fusion-study`` -> suites/fusion_study.py)."""
+    return suite.replace("-", "_")
 
 
 def contention_probe() -> dict:
@@ -55,7 +60,7 @@ def main(argv=None) -> int:
         print("perf: --device cuda needs CUDA", file=sys.stderr)
         return 2
     import importlib
-    suite = importlib.import_module(f".suites.{args.suite}", __package__)
+    suite = importlib.import_module(f".suites.{module_name(args.suite)}", __package__)
     probe_before = contention_probe() if args.device == "cpu" else None
     result = suite.run(args.device, quick=args.quick)
     result["machine"] = machine_info(args.device)
@@ -99,7 +104,7 @@ def replot_results(names: list[str]) -> int:
             print(f"perf: no results file {path}", file=sys.stderr)
             return 2
         result = json.loads(path.read_text())
-        suite = importlib.import_module(f".suites.{result['suite']}", __package__)
+        suite = importlib.import_module(f".suites.{module_name(result['suite'])}", __package__)
         png = save_plot(suite, result, path)
         print(f"{path.name}: {png if png else 'no plot for this suite'}")
     return 0

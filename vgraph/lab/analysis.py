@@ -105,17 +105,22 @@ def _body(path: Path) -> list[str]:
     return [line for line in path.read_text().splitlines(keepends=True) if not line.startswith("#")]
 
 
-def kernel_rows(pieces: dict[int, str], without: dict[tuple[int, str], KernelSummary],
-                with_: dict[tuple[int, str], KernelSummary]) -> list[dict[str, Any]]:
-    """Per (piece, size) compiled in either variant: the kernels of each, side by side."""
-    keys = sorted(set(without) | set(with_), key=lambda k: (k[0], k[1] != "dynamic", k[1]))
+def kernel_rows(pieces: dict[int, str],
+                by_variant: dict[str, dict[tuple[int, str], KernelSummary]]) -> list[dict[str, Any]]:
+    """Per (piece, size) compiled in any variant: each variant's kernels (None where it
+    compiled no such graph), side by side."""
+    keys = sorted({k for summaries in by_variant.values() for k in summaries},
+                  key=lambda k: (k[0], k[1] != "dynamic", k[1]))
     shared = instances_by_hash(pieces)
     rows = []
     for piece, size in keys:
         if piece < 0:
             continue
-        rows.append({"piece": piece, "size": size, "instances": shared.get(pieces.get(piece, ""), [piece]),
-                     "without": _summary(without.get((piece, size))), "with": _summary(with_.get((piece, size)))})
+        row: dict[str, Any] = {"piece": piece, "size": size,
+                               "instances": shared.get(pieces.get(piece, ""), [piece])}
+        for variant, summaries in by_variant.items():
+            row[variant] = _summary(summaries.get((piece, size)))
+        rows.append(row)
     return rows
 
 

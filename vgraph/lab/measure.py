@@ -146,7 +146,8 @@ def step_fn(llm: Any, bucket: Bucket) -> Callable[[], torch.Tensor]:
 def time_interleaved(steps: dict[str, Callable[[], Any]], repeats: int, warmup: int = 2,
                      target_seconds: float = 0.02) -> dict[str, dict[str, Any]]:
     """Per variant: ``repeats`` samples (seconds per call, each the mean of enough back-to-back
-    calls to last about ``target_seconds``) taken in rotating order, and their median."""
+    calls to last about ``target_seconds``) taken in rotating order, their median and their
+    minimum (on a shared machine, the least disturbed sample)."""
     inner = {}
     for name, fn in steps.items():
         for _ in range(warmup):
@@ -165,8 +166,9 @@ def time_interleaved(steps: dict[str, Callable[[], Any]], repeats: int, warmup: 
                 steps[name]()
             _sync()
             samples[name].append((time.perf_counter() - start) / inner[name])
-    return {name: {"median_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s],
-                   "calls_per_sample": inner[name]} for name, s in samples.items()}
+    return {name: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
+                   "samples_ms": [x * 1e3 for x in s], "calls_per_sample": inner[name]}
+            for name, s in samples.items()}
 
 
 def _sync() -> None:
@@ -174,13 +176,14 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def step_times(llms: dict[str, Any], bucket_list: list[Bucket], repeats: int) -> dict[str, dict[str, Any]]:
-    """Per bucket name: each variant's timing (``time_interleaved``) and the path it ran."""
+def step_times(llms: dict[str, Any], bucket_list: list[Bucket], repeats: int,
+               target_seconds: float = 0.02) -> dict[str, dict[str, Any]]:
+    """Per bucket name: each variant's timing (``time_interleaved``)."""
     out = {}
     for bucket in bucket_list:
         steps = {name: step_fn(llm, bucket) for name, llm in llms.items()}
         out[bucket.name] = {"kind": bucket.kind, "size": bucket.size,
-                            "variants": time_interleaved(steps, repeats)}
+                            "variants": time_interleaved(steps, repeats, target_seconds=target_seconds)}
     return out
 
 

@@ -174,7 +174,7 @@ def _assemble(model: str, llms: dict[str, Any], build: dict[str, Any], captures:
     rows = graph_rows(manager, pieces) if manager is not None else []
     write_diffs(rows, out_dir / "graphs" / WITH)
     baseline = graph_rows(base_manager, pieces, skip=())
-    kernels = kernel_rows(pieces, captures[WITHOUT].summaries(), captures[WITH].summaries())
+    kernels = kernel_rows(pieces, {name: capture.summaries() for name, capture in captures.items()})
     runner = llms[WITH].engine.runner
     return {
         "model": model, "architecture": (getattr(runner.hf_config, "architectures", None) or ["?"])[0],

@@ -18,22 +18,31 @@ _CALIBRATION_PROMPTS, _CALIBRATION_LEN = 4, 32
 
 
 def build_tiny_fp8_static_checkpoint(path: str | os.PathLike, seed: int = 0,
-                                     num_layers: int = 2) -> str:
-    """Writes a tiny Llama checkpoint in the static fp8 format of AutoFP8 / llm-compressor.
+                                     num_layers: int = 2, arch: str = "llama",
+                                     **config_overrides: Any) -> str:
+    """Writes a tiny ``arch`` checkpoint (the demo architectures: llama, qwen2, qwen3) in the
+    static fp8 format of AutoFP8 / llm-compressor (see ``write_fp8_static_checkpoint``);
+    ``config_overrides`` replace config fields. Same seed, same files. Returns the directory."""
+    tokenizer = build_tokenizer()
+    model = random_model(arch, tokenizer, seed, {"num_hidden_layers": num_layers, **config_overrides})
+    return write_fp8_static_checkpoint(path, model, tokenizer, seed)
+
+
+def write_fp8_static_checkpoint(path: str | os.PathLike, model: torch.nn.Module, tokenizer: Any,
+                                seed: int = 0) -> str:
+    """Writes the fp32 HF ``model`` as a static fp8 checkpoint, as AutoFP8 / llm-compressor do.
 
     Every decoder projection is stored as an e4m3 ``weight`` with a per-tensor
     ``weight_scale`` (amax / 448) and an ``input_scale`` calibrated the way those tools do:
     the amax of that projection's input over a few random prompts run through the
     high-precision model, / 448. Embeddings, norms and lm_head stay fp32; config.json
     carries ``quantization_config`` {"quant_method": "fp8", "activation_scheme": "static"}.
-    Same seed, same files. Returns the directory.
+    Returns the directory.
     """
     from safetensors.torch import save_file
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    model = random_model("llama", tokenizer, seed, {"num_hidden_layers": num_layers})
     input_amax = _calibrate_input_amax(model, seed)
     tensors = _fp8_static_state_dict(model, input_amax)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -82,6 +91,8 @@ def _fp8_static_state_dict(model: torch.nn.Module,
     from vgraph.ops.kernels.common import FP8_MAX
 
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)  # the embedding's, as save_pretrained leaves it out
     for name, module in _quantized_projections(model).items():
         q, scale = quantize_weight(module.weight)
         tensors[f"{name}.weight"] = q
