@@ -29,6 +29,14 @@ Match counts printed here are per piece instance (per site in the model; identic
 layers compile once but count once each), as ``compile_counters.pass_matches`` reports them.
 These passes match fp32 graphs only (the demo model's dtype); a bf16 model adds casts around
 the same ops.
+
+Your pass and the compile cache: the pass's ``uuid()`` is part of the cache key.
+``VgraphPass.uuid()`` hashes the source of the pass's module and of the modules it imports
+from its own package (a helper holding a switch included), so an edit gives a new entry. Code
+it reaches otherwise (``importlib``, data files) must be declared: override
+``source_modules()``, or put settings in ``config()``. A pass whose source cannot be read
+(``python -c``, a notebook cell) has no uuid: its compile runs without the cache, with one
+warning. The startup log prints each user pass's uuid next to the key (cache_dir.md).
 """
 from __future__ import annotations
 
