@@ -108,7 +108,8 @@ def _loads(raw: bytes | bytearray, max_depth: int) -> Any:
     start = len(_BOM) if raw.startswith(_BOM) else 0
     try:
         # surrogatepass: UTF-8-encoded surrogates decode, so the check below can name the field.
-        text = raw[start:].decode("utf-8", "surrogatepass")
+        # (Sliced only when there is a BOM: a slice copies the whole body.)
+        text = (raw[start:] if start else raw).decode("utf-8", "surrogatepass")
     except UnicodeDecodeError as exc:
         raise bad_request(f"malformed JSON body: it is not UTF-8 ({exc.reason} at byte {exc.start + start})",
                           code="invalid_json") from None
