@@ -215,11 +215,13 @@ def test_streams_cut_by_the_shutdown_deadline_end_with_an_error_event_and_done(l
             assert events[-1] == "[DONE]", events[-3:]
             error = events[-2]["error"]
             assert "shutting down" in error["message"] and set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == "shutting_down"
             assert all("choices" in e for e in events[:-2])
             finished = sum(c["finish_reason"] is not None for e in events[:-2] for c in e["choices"])
             assert finished < 4, "the streams were cut, not finished"
         response = plain["response"]
-        assert response.status_code >= 500 and "shutting down" in response.json()["error"]["message"]
+        assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+        assert "shutting down" in response.json()["error"]["message"]
         assert "--shutdown-timeout (1 s) passed" in proc.log()
     finally:
         proc.close()

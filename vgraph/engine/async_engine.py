@@ -42,6 +42,11 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; no request can be served any more."""
 
 
+class EngineShutdownError(EngineDeadError):
+    """The server stopped the engine (the shutdown deadline passed) with requests in flight:
+    not a failure of theirs, so clients get 503 ``shutting_down``, as ``/health`` says."""
+
+
 class EngineNotReadyError(RuntimeError):
     """The engine is still loading (or compiling) the model."""
 
@@ -184,7 +189,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, timeout)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.1f s", timeout)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineShutdownError("the server is shutting down"))
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """Wakes every waiting caller with ``error``: the engine will not answer them any more."""

@@ -20,7 +20,10 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..engine.async_engine import EngineShutdownError
 
 logger = logging.getLogger("vgraph.server")
 
@@ -81,6 +84,14 @@ def log_failure(what: str, exc: BaseException) -> None:
         logger.debug("traceback of %s (logged once)", what, exc_info=exc)
 
 
+def engine_gone(exc: BaseException) -> APIError:
+    """The error for requests the engine stopped serving: 503 when the server is shutting down
+    (retrying elsewhere is right), 500 when the engine failed."""
+    if isinstance(exc, EngineShutdownError):
+        return APIError(503, str(exc), code="shutting_down")
+    return APIError(500, str(exc), code="engine_error")
+
+
 def internal_error(what: str, exc: BaseException) -> APIError:
     """Logs an unexpected failure (see ``log_failure``) and returns the 500 that reports it."""
     log_failure(what, exc)
@@ -111,6 +122,8 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            return  # the client left mid-body (or a read deadline cut it): nobody to answer
         except Exception as exc:
             error = internal_error(f"{scope.get('method', '')} {scope.get('path', '')} failed", exc)
             if not started:

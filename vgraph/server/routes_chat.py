@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .errors import APIError, internal_error
+from .errors import APIError, engine_gone, internal_error
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .state import ServerState, usage
@@ -88,7 +88,7 @@ class _Chat:
             if with_usage and latest is not None:
                 yield sse({**self._envelope("chat.completion.chunk", []), "usage": usage([latest])})
         except EngineDeadError as exc:
-            yield APIError(500, str(exc), code="engine_error").sse_chunk()
+            yield engine_gone(exc).sse_chunk()
         except Exception as exc:  # a bug while building a chunk: end the stream properly, log one line
             yield internal_error("a chat stream failed", exc).sse_chunk()
         finally:

@@ -21,7 +21,7 @@ from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..engine.inputs import PromptType
-from .errors import APIError, internal_error
+from .errors import APIError, engine_gone, internal_error
 from .logprobs import completion_logprobs
 from .protocol import CompletionRequest
 from .state import ServerState, usage
@@ -126,7 +126,7 @@ class _Completion:
             if with_usage:
                 yield sse({**self._envelope([]), "usage": usage([latest[rid] for rid in self.ids])})
         except EngineDeadError as exc:
-            yield APIError(500, str(exc), code="engine_error").sse_chunk()
+            yield engine_gone(exc).sse_chunk()
         except Exception as exc:  # a bug while building a chunk: end the stream properly, log one line
             yield internal_error("a completions stream failed", exc).sse_chunk()
         finally:

@@ -16,7 +16,7 @@ from ..engine.inputs import PromptType
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .body import read_request
-from .errors import APIError, bad_request, internal_error
+from .errors import APIError, bad_request, engine_gone, internal_error
 from .limits import Limits
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
@@ -201,7 +201,7 @@ class ServerState:
                 while not collector.finished:
                     finals.update(await collector.next())
         except EngineDeadError as exc:
-            raise APIError(500, str(exc), code="engine_error") from None
+            raise engine_gone(exc) from None
         except _ClientGone:
             raise APIError(499, "the client disconnected", code="client_disconnected") from None
         finally:
