@@ -30,7 +30,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import fx_utils
-from .identity import identity_problem, source_digests
+from .identity import identity_problem, module_of, source_digests
 
 logger = logging.getLogger("vgraph.passes")
 
@@ -106,7 +106,7 @@ class VgraphPass(CustomGraphPass):
     def source_modules(self) -> list[ModuleType]:
         """Modules whose code decides what this pass does: each VgraphPass class in its MRO,
         plus the shared FX helpers. Override to add modules a pass also depends on."""
-        modules = {sys.modules[cls.__module__] for cls in type(self).__mro__
+        modules = {module_of(cls) for cls in type(self).__mro__
                    if isinstance(cls, type) and issubclass(cls, VgraphPass)}
         modules.add(fx_utils)
         return sorted(modules, key=lambda m: m.__name__)

@@ -171,6 +171,23 @@ def source_digests(declared: Iterable[ModuleType], read: SourceReader) -> Option
     return digests
 
 
+def module_of(cls: type) -> ModuleType:
+    """The module defining ``cls``. One that was executed but never registered in
+    ``sys.modules`` (``importlib.util.module_from_spec`` without the registration) is stood in
+    for by a module object pointing at the file its methods were compiled from, so its source
+    still decides the uuid; with no such file the stand-in has no source, and the pass no uuid
+    (never a uuid that leaves the pass's own code out)."""
+    module = sys.modules.get(cls.__module__)
+    if module is not None:
+        return module
+    stand_in = ModuleType(cls.__module__)
+    files = {f.__code__.co_filename for f in vars(cls).values() if hasattr(f, "__code__")}
+    real = sorted(f for f in files if Path(f).is_file())
+    if len(real) == 1:
+        stand_in.__file__ = real[0]
+    return stand_in
+
+
 def missing_sources(p: Any) -> list[str]:
     """Names of the modules a pass declares (``source_modules()``) whose source is unreadable."""
     from .base import source_of

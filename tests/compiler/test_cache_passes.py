@@ -9,6 +9,7 @@ on still loaded). Each start here is a real engine on the tiny Llama with only t
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 import textwrap
@@ -183,3 +184,18 @@ def test_identity_problems_name_the_cause():
 
     no_uuid.uuid = lambda: None
     assert identity_problem(as_pass(no_uuid)) == "its uuid() returned None"
+
+
+def test_a_pass_from_a_module_never_registered_is_keyed_by_its_file(tmp_path):
+    """``module_from_spec`` + ``exec_module`` without ``sys.modules``: before, a KeyError at
+    startup; now the file its methods came from is the pass's source."""
+    path = tmp_path / "unregistered_pass.py"
+    path.write_text(textwrap.dedent(NOTEBOOK_CELL.format(version=1)))
+    spec = importlib.util.spec_from_file_location("vgraph_test_unregistered", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert "vgraph_test_unregistered" not in sys.modules
+    before = module.CellPass().uuid()
+    assert before is not None and identity_problem(module.CellPass()) is None
+    path.write_text(textwrap.dedent(NOTEBOOK_CELL.format(version=2)))
+    assert module.CellPass().uuid() != before
