@@ -826,7 +826,10 @@ def run(device: str, quick: bool = False) -> dict:
             "hostile": hostile, "stall": stall, "slowloris": slow,
             "target": {"no_5xx": {"value": total_5xx, "met": total_5xx == 0},
                        "no_connection_errors": {"value": sum(c["connection_errors"] for c in classes.values()),
-                                                "met": all(c["connection_errors"] == 0 for c in classes.values())}},
+                                                "met": all(c["connection_errors"] == 0 for c in classes.values())},
+                       "slowloris_all_probes_served_up_to": max(
+                           (lv["slow_sockets"] for lv in slow if lv["probes"] and lv["probes_ok"] == lv["probes"]),
+                           default=None)},
             "server_log_tail": log_tail}
 
 
@@ -848,6 +851,7 @@ def summarize(result: dict) -> str:
                      f"{itl['before']['p50']}/{itl['before']['max']} -> {itl['during']['p50']}/{itl['during']['max']} | "
                      f"{h['before']['p50']}/{h['before']['max']} -> {h['during']['p50']}/{h['during']['max']} | "
                      f"{r['before']}/{r['during_peak']}/{r['after']}")
+    lines.append(f"slow sockets with every probe served: up to {result['target']['slowloris_all_probes_served_up_to']}")
     lines.append("slowloris sockets  held max/end  probes ok  completion p50/max ms  /health p50/max ms")
     for lv in result["slowloris"]:
         c, h = lv["probe_ms"]["/v1/completions"], lv["probe_ms"]["/health"]
@@ -877,6 +881,7 @@ def plot(result: dict):
         if s["rss_at_s_mib"]:
             right.plot(*zip(*s["rss_at_s_mib"]), color="tab:green", linewidth=1, label="server RSS")
         right.set_ylabel("RSS MiB")
+        right.set_ylim(bottom=0)
         ax.legend(loc="upper left", fontsize=8)
         right.legend(loc="upper right", fontsize=8)
     ax = axes[-1]
