@@ -250,3 +250,33 @@ def test_device_dependent_defaults_say_what_they_are_here():
         in helps["custom_ops"]
     assert f"on this machine: {here}" in helps["device"]
     assert helps["gpu_memory_utilization"].startswith("CUDA only") and helps["cpu_kv_cache_gib"].startswith("CPU only")
+
+
+def test_the_listening_socket_gives_accepted_connections_tcp_nodelay():
+    """asyncio turns Nagle off only on accepted sockets whose protocol is TCP: a listening
+    socket made with protocol 0 left it on, and keep-alive responses waited ~40 ms for the
+    client's delayed ACK."""
+    import asyncio
+
+    from vgraph import cli
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sock = writer.get_extra_info("socket")
+            accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listening = cli._listen("127.0.0.1", 0)
+        server = await asyncio.start_server(on_connect, sock=listening)
+        try:
+            _, writer = await asyncio.open_connection(*listening.getsockname()[:2])
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0

@@ -417,7 +417,10 @@ def _listen(host: str, port: int) -> socket.socket:
     line and exit 2 at once (not an uvicorn error after minutes of compiling), and uvicorn is
     handed this very socket, so nothing can take the port in between."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY only on accepted sockets whose
+    # protocol says TCP, and without it Nagle plus the client's delayed ACK held every
+    # keep-alive response back ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no obstacle
     try:
         sock.bind((host, port))
