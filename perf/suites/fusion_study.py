@@ -149,7 +149,7 @@ def case_main(path: str, extra: dict[str, Any], device: str, repeats: int, token
 
     settings = dict(dtype="float32", device=device, max_num_seqs=32, max_num_batched_tokens=512,
                     num_gpu_blocks=32 * 5 + 32, enable_prefix_caching=False, **extra)
-    warm_inductor()
+    warm_inductor(device)
     eager = LLM(path, enforce_eager=True, **settings)
     prompts = fixed_prompts(eager.engine.vocab_size)
     ref_logits, ref_tokens = prompt_logits(eager, prompts), greedy_tokens(eager, prompts, tokens)

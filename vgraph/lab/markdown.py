@@ -34,7 +34,7 @@ def _header(data: dict[str, Any]) -> str:
             f"quantization {cfg['quantization'] or 'none'}. Passes under study, in run order: **{order}** "
             f"(vgraph's own passes {'included' if cfg['default_passes'] else 'excluded'}). "
             f"\"without\" compiles the same model with no pass that changes the graph; both compile "
-            f"cold in this process.")
+            f"cold in this process, \"without\" first.")
 
 
 def _summary(data: dict[str, Any]) -> str:

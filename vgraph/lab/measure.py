@@ -187,9 +187,12 @@ def step_times(llms: dict[str, Any], bucket_list: list[Bucket], repeats: int,
     return out
 
 
-def warm_inductor() -> None:
-    """Compiles a small function once, so the process's one-time Inductor and C++ toolchain
-    start-up is not charged to whichever variant compiles first."""
+def warm_inductor(device: str = "auto") -> None:
+    """Compiles a small function once on ``device``, so the process's one-time Inductor start-up
+    (the C++ toolchain, or Triton's) is not charged to whichever variant compiles first."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x.pow(2).mean(-1, keepdim=True).rsqrt()
-    torch.compile(f, dynamic=False)(torch.randn(4, 8))
+    torch.compile(f, dynamic=False)(torch.randn(4, 8, device=device))

@@ -92,7 +92,7 @@ def report(model: str, passes: Sequence[Any] = (), *, default_passes: bool = Tru
     plan = buckets(tuple(decode_sizes), prefill_tokens)
     settings = _engine_settings(plan, engine_kwargs)
     studied = list(passes)
-    warm_inductor()
+    warm_inductor(str(settings.get("device", "auto")))
 
     captures = {WITHOUT: KernelCapture(), WITH: KernelCapture()}
     llms, build = {}, {}
