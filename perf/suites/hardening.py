@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import httpx
 
-from .serving import _free_port, _percentile
+from .serving import _free_port, _percentile, wait_until_healthy
 
 KEY = "sk-perf-hardening-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -56,7 +56,6 @@ MODEL = "demo-model-v1"
 SERVER_ARGS = ["--enforce-eager", "--max-num-seqs", "32", "--kv-cache-gib", "0.25", "--api-key", KEY]
 SERVER_NOFILE = 1024
 GREEDY = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
-STARTUP_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 300
 BIG_BYTES = 15_000_000
 BIG_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize")
@@ -88,17 +87,7 @@ class _Server:
                                      preexec_fn=_limit_descriptors)
 
     def wait_ready(self) -> float:
-        deadline = self.start + STARTUP_TIMEOUT_S
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vgraph serve exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - self.start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"vgraph serve was not ready in {STARTUP_TIMEOUT_S} s: {self.log_tail()}")
+        return wait_until_healthy(self.proc, self.url, self.start, self.log_tail)
 
     def rss_bytes(self) -> Optional[int]:
         try:

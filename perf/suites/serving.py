@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Awaitable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import httpx
 
@@ -96,6 +96,22 @@ def _stats_ms(values: list[float]) -> dict[str, Optional[float]]:
     return out
 
 
+def wait_until_healthy(proc: subprocess.Popen, url: str, start: float, log_text: Callable[[], str]) -> float:
+    """Seconds from ``start`` until ``/health`` answers 200; raises with the server's log if it
+    exits or takes longer than ``STARTUP_TIMEOUT_S``."""
+    deadline = start + STARTUP_TIMEOUT_S
+    while time.perf_counter() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vgraph serve exited with {proc.returncode}: {log_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"vgraph serve was not ready in {STARTUP_TIMEOUT_S} s: {log_text()}")
+
+
 class ServerUnderTest:
     """``vgraph serve`` in a child process; its log goes to a temporary file."""
 
@@ -112,17 +128,7 @@ class ServerUnderTest:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> float:
-        deadline = self.start + STARTUP_TIMEOUT_S
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vgraph serve exited with {self.proc.returncode}: {self._log_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return time.perf_counter() - self.start
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"vgraph serve was not ready in {STARTUP_TIMEOUT_S} s: {self._log_text()}")
+        return wait_until_healthy(self.proc, self.url, self.start, self._log_text)
 
     def metrics(self) -> dict[str, float]:
         out = {}
