@@ -146,3 +146,30 @@ def test_enforce_eager_leaves_the_callers_compile_config_as_given():
                 compile_config=given, enforce_eager=True)
     assert eager.engine.config.compile.level == "none"
     assert given.level == "compiled" and given.custom_ops is None
+
+
+def test_a_detokenizer_failure_aborts_only_its_request(llm, monkeypatch, caplog):
+    """An exception while detokenizing one request's token ends that request ("abort"),
+    frees its blocks and leaves the others and the engine serving."""
+    from vgraph.engine import detokenizer
+
+    original = detokenizer.IncrementalDetokenizer.update
+    marker = "<poisoned>"  # a stop string that marks the request whose detokenizer fails
+
+    def update(self, token_ids):
+        if marker in self.stop:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return original(self, token_ids)
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    healthy = llm.generate([{"prompt_token_ids": [7, 8, 9]}], params, use_tqdm=False)[0]
+    monkeypatch.setattr(detokenizer.IncrementalDetokenizer, "update", update)
+    poisoned = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[marker])
+    with caplog.at_level("ERROR", logger="vgraph"):
+        outs = llm.generate([{"prompt_token_ids": [11, 12, 13]}, {"prompt_token_ids": [7, 8, 9]}],
+                            [poisoned, params], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort"
+    assert outs[1].outputs[0].token_ids == healthy.outputs[0].token_ids
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert sum("detokenizing request" in r.getMessage() for r in caplog.records) == 1
+    assert _all_free(llm)

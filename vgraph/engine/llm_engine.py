@@ -206,7 +206,14 @@ class LLMEngine:
         token = req.output_token_ids[-1]
         if req.sampling_params.logprobs is not None and len(req.logprobs) == len(req.output_token_ids):
             seq.cumulative_logprob += req.logprobs[-1][token]
-        stop = seq.detokenizer.update([token])
+        try:
+            stop = seq.detokenizer.update([token])
+        except Exception as exc:  # one request's text failing must not take the engine down
+            logger.error("detokenizing request %s failed (%s: %s); aborting it", req.request_id,
+                         type(exc).__name__, exc)
+            if not req.status.finished:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+            return
         if stop is not None and not req.status.finished:
             req.stop_reason = stop
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
