@@ -36,7 +36,6 @@ import json
 import os
 import random
 import resource
-import signal
 import socket
 import statistics
 import subprocess
@@ -48,7 +47,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import httpx
 
-from .serving import _free_port, _percentile, wait_until_healthy
+from .serving import _free_port, _percentile, stop_server, wait_until_healthy
 
 KEY = "sk-perf-hardening-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -100,16 +99,7 @@ class _Server:
         return self.proc.poll() is None
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-        finally:
-            self.log.close()
-            os.unlink(self.log.name)
+        return stop_server(self.proc, self.log)
 
     def log_tail(self, chars: int = 4000) -> str:
         self.log.flush()

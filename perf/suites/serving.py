@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Awaitable, Callable, Optional
+from typing import IO, Any, Awaitable, Callable, Optional
 
 import httpx
 
@@ -112,6 +112,20 @@ def wait_until_healthy(proc: subprocess.Popen, url: str, start: float, log_text:
     raise TimeoutError(f"vgraph serve was not ready in {STARTUP_TIMEOUT_S} s: {log_text()}")
 
 
+def stop_server(proc: subprocess.Popen, log: IO[str]) -> int:
+    """SIGTERM (a kill after 120 s), then the log file removed; the server's exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+    finally:
+        log.close()
+        os.unlink(log.name)
+
+
 class ServerUnderTest:
     """``vgraph serve`` in a child process; its log goes to a temporary file."""
 
@@ -139,15 +153,7 @@ class ServerUnderTest:
         return out
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-        finally:
-            self.log.close()
-            os.unlink(self.log.name)
+        return stop_server(self.proc, self.log)
 
     def _log_text(self) -> str:
         self.log.flush()
