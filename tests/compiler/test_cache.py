@@ -1,10 +1,8 @@
 """The compile cache: keys, warm loads, corrupt entries, unwritable directories."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
-from .errors import APIError, engine_gone, internal_error
+from .errors import engine_gone, internal_error
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .state import ServerState, usage

@@ -21,7 +21,7 @@ from ..engine.async_engine import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..engine.inputs import PromptType
-from .errors import APIError, engine_gone, internal_error
+from .errors import engine_gone, internal_error
 from .logprobs import completion_logprobs
 from .protocol import CompletionRequest
 from .state import ServerState, usage
