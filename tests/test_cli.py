@@ -60,7 +60,7 @@ def test_generate_on_the_demo_model(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "-1"], "temperature must be non-negative"),
     (["--model", "/nonexistent/model"], "is not a directory"),
-    (["--max-tokens", "0"], "max_tokens must be at least 1"),
+    (["--max-tokens", "-1"], "max_tokens must be non-negative"),
     (["--pass", "no_such_module_for_vgraph:MyPass"], "--pass 'no_such_module_for_vgraph:MyPass': cannot import"),
     (["--block-size", "0"], "block_size must be at least 1"),
 ])

@@ -24,8 +24,11 @@ _LAZY = {
     "LLMEngine": ("vgraph.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("vgraph.engine.outputs", "RequestOutput"),
     "EngineConfig": ("vgraph.config", "EngineConfig"),
+    "PoolingParams": ("vgraph.pooling_params", "PoolingParams"),
+    "EmbeddingRequestOutput": ("vgraph.engine.outputs", "EmbeddingRequestOutput"),
 }
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ops", "passes"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ops", "passes",
+           "PoolingParams", "EmbeddingRequestOutput"]
 
 
 def __getattr__(name: str) -> Any:

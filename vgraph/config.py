@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from .pooling_params import POOLING_TYPES
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -100,6 +102,14 @@ class ModelConfig:
     load_format: str = field(default="auto", metadata=cli(
         "dummy: build the model from config.json with random weights, reading no weight files "
         "(for benchmarks)", choices=list(LOAD_FORMATS)))
+    # Embeddings (/v1/embeddings, LLM.embed): how the final norm's hidden states become one
+    # vector per input. Any decoder model serves them; "last" suits a causal model, which has
+    # read the whole input only at its last token.
+    pooling_type: str = field(default="last", metadata=cli(
+        "embeddings: pool the final hidden states of the input's last token or their mean",
+        choices=list(POOLING_TYPES)))
+    pooling_normalize: bool = field(default=True, metadata=cli(
+        "embeddings: L2-normalize each embedding", negative="--no-pooling-normalize"))
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -110,6 +120,9 @@ class ModelConfig:
                              f"{', '.join(QUANTIZATIONS)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"unsupported pooling_type {self.pooling_type!r}; choose one of "
+                             f"{', '.join(POOLING_TYPES)}")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ class SamplingParams:
     max_tokens: Optional[int] = 16  # None = up to max_model_len
     min_tokens: int = 0
     logprobs: Optional[int] = None  # number of top logprobs per generated token (0 = only the chosen)
+    # Top logprobs per prompt token (0 = only the prompt token's own); the first token has none.
+    prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -51,17 +53,23 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (0 < self.repetition_penalty <= 2, f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            # 0: prefill only (e.g. prompt_logprobs alone); the request ends with reason "length".
+            (self.max_tokens is None or self.max_tokens >= 0, f"max_tokens must be non-negative, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be non-negative, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be non-negative, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs must be non-negative, got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
         if max_logprobs is not None and self.logprobs is not None and self.logprobs > max_logprobs:
             raise ValueError(f"logprobs={self.logprobs} exceeds the maximum of {max_logprobs} "
+                             "(raise it with max_logprobs / --max-logprobs)")
+        if max_logprobs is not None and self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
+            raise ValueError(f"prompt_logprobs={self.prompt_logprobs} exceeds the maximum of {max_logprobs} "
                              "(raise it with max_logprobs / --max-logprobs)")

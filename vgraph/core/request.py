@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..worker.pooling import PoolingState
 
 
 class RequestStatus(enum.Enum):
@@ -45,10 +48,43 @@ class Request:
     generator: Optional[torch.Generator] = None
     # Mixed into the first prefix-cache block hash: requests with different salts never share KV.
     cache_salt: Optional[str] = None
+    # Top-n prompt logprobs this sequence computes (None: none). The engine sets it on the first
+    # sequence of an n > 1 request only, so the prompt's logprobs are computed once.
+    num_prompt_logprobs: Optional[int] = None
+    # Per prompt token: {token id: logprob} (the token's own first, then the top-n); the first
+    # token has no logprob (None). Filled chunk by chunk; never longer than the prompt.
+    prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
+    # A pooling (embedding) request: prefill only, its hidden states pooled chunk by chunk.
+    pooling: Optional["PoolingState"] = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.num_prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prefill_only(self) -> bool:
+        """Computes its prompt and ends there (``max_tokens=0``, or pooling): samples nothing."""
+        return self.pooling is not None or self.sampling_params.max_tokens == 0
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Requests that need every prompt position's hidden state (prompt logprobs, pooling)
+        recompute the prompt instead of reusing cached KV (they still publish their blocks)."""
+        return self.pooling is not None or self.num_prompt_logprobs is not None
+
+    def add_prompt_logprobs(self, first: int, entries: list[dict[int, float]]) -> None:
+        """Entries for prompt tokens ``first ..``: only those not scored yet are kept (a
+        recompute after preemption scores some again)."""
+        have = len(self.prompt_logprobs)
+        if first > have:
+            raise RuntimeError(f"prompt logprobs of {self.request_id} would skip tokens {have}..{first - 1}")
+        self.prompt_logprobs.extend(entries[have - first:])
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.num_prompt_logprobs is not None and len(self.prompt_logprobs) == len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

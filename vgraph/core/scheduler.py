@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from ..config import CacheConfig, SchedulerConfig
 from .block_pool import BlockPool
 from .kv_cache_manager import KVCacheManager, token_slice
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from ..worker.pooling import PooledChunk
+    from ..worker.prompt_logprobs import PromptLogprobs
 
 
 @dataclass
@@ -35,13 +39,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start_position: int = field(init=False)
-    # Whether this chunk reaches the last known token, so the runner samples the next one.
-    # Fixed at scheduling time: it must not change when update() advances the request.
+    # Whether this chunk reaches the last known token, so the runner samples the next one
+    # (never for a prefill-only request). Fixed at scheduling time: it must not change when
+    # update() advances the request.
     produces_token: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.start_position = self.request.num_computed_tokens
-        self.produces_token = self.start_position + self.num_new_tokens == self.request.num_tokens
+        self.produces_token = (self.start_position + self.num_new_tokens == self.request.num_tokens
+                               and not self.request.prefill_only)
 
     @property
     def token_ids(self) -> list[int]:
@@ -182,7 +188,8 @@ class Scheduler:
         """Admits waiting requests FIFO while budget, seats and blocks last."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            hits, num_hit_tokens = ([], 0) if request.skips_prefix_cache else \
+                self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self._may_chunk(num_new):
@@ -216,8 +223,11 @@ class Scheduler:
     # -- results ----------------------------------------------------------------------------
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-               logprobs: Optional[dict[str, dict[int, float]]] = None) -> list[Request]:
-        """Applies a step's results; returns the requests that got a token (finished included).
+               logprobs: Optional[dict[str, dict[int, float]]] = None,
+               prompt_logprobs: Optional[dict[str, "PromptLogprobs"]] = None,
+               pooled: Optional[dict[str, "PooledChunk"]] = None) -> list[Request]:
+        """Applies a step's results; returns the requests that got a token (finished included)
+        and the prefill-only requests that finished their prompt (status "length").
 
         Requests aborted between ``schedule`` and ``update`` are skipped: their blocks are
         already gone and their tokens are no longer wanted.
@@ -228,6 +238,7 @@ class Scheduler:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
                 continue
+            self._apply_prompt_results(request, prompt_logprobs, pooled)
             request.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.produces_token:
                 self._append_token(request, sampled_token_ids[request.request_id], logprobs)
@@ -236,9 +247,24 @@ class Scheduler:
             if scheduled.produces_token and self._check_stop(request):
                 self._release(request)
                 any_finished = True
+            elif request.prefill_only and request.num_computed_tokens >= request.num_prompt_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+                new_token_requests.append(request)
+                self._release(request)
+                any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
         return new_token_requests
+
+    @staticmethod
+    def _apply_prompt_results(request: Request, prompt_logprobs: Optional[dict[str, Any]],
+                              pooled: Optional[dict[str, Any]]) -> None:
+        """Folds a chunk's prompt logprobs and pooled share into the request."""
+        if prompt_logprobs is not None and request.request_id in prompt_logprobs:
+            result = prompt_logprobs[request.request_id]
+            request.add_prompt_logprobs(result.first, result.entries)
+        if pooled is not None and request.pooling is not None and request.request_id in pooled:
+            request.pooling.add(pooled[request.request_id])
 
     @staticmethod
     def _append_token(request: Request, token_id: int,

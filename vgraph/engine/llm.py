@@ -7,10 +7,11 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from ..config import CompileConfig, EngineConfig
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .inputs import PromptType
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, RequestOutput
 
 Conversation = list[dict[str, Any]]
 
@@ -47,7 +48,21 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One finished ``RequestOutput`` per prompt, in the order given."""
         prompts = self._as_list(prompts)
-        params = self._params_for(prompts, sampling_params)
+        return self._submit_and_run(prompts, self._params_for(prompts, sampling_params), use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              pooling_params: Optional[PoolingParams] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in the order given: the final norm's hidden states pooled
+        ("last" token by default, or "mean": ``pooling_type``) and L2-normalized unless
+        ``pooling_normalize=False``; ``pooling_params`` overrides either per call. Prompts
+        are prefill only and batch with each other like generation requests do."""
+        prompts = self._as_list(prompts)
+        params = pooling_params or PoolingParams()
+        return self._submit_and_run(prompts, [params] * len(prompts), use_tqdm)
+
+    def _submit_and_run(self, prompts: list, params: Sequence[Union[SamplingParams, PoolingParams]],
+                        use_tqdm: bool) -> list:
         ids = []
         try:
             for prompt, p in zip(prompts, params):

@@ -14,20 +14,25 @@ from ..core.scheduler import Scheduler, SchedulerOutput
 from ..models.demo import demo_model_path
 from ..models.loader import load_generation_config, load_hf_config, load_tokenizer, resolve_model_path
 from ..models.quantization import resolve_quantization
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
+from ..worker.pooling import PoolingState
 from ..worker.runner import ModelRunner
 from .detokenizer import IncrementalDetokenizer
 from .inputs import PromptType, check_prompt, prompt_to_ids
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from .stats import EngineStats, RequestTiming, StepOutput
 
 logger = logging.getLogger("vgraph")
+
+# What a pooling request's Request carries as sampling parameters: it samples nothing.
+_PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 
 @dataclass
 class _Sequence:
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Optional[IncrementalDetokenizer]  # None for a pooling request (no text)
     cumulative_logprob: float = 0.0  # of the chosen tokens, kept as they arrive
 
 
@@ -87,7 +92,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
                     arrival_time: Optional[float] = None) -> None:
         """Validates everything first: a bad request raises ValueError and touches nothing.
 
@@ -98,6 +103,9 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            self._add_pooling_request(request_id, prompt, params, arrival)
+            return
         params.validate(self.config.max_logprobs)
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
@@ -105,14 +113,31 @@ class LLMEngine:
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids)
+            # The prompt's logprobs are the same for every sequence: the first computes them.
+            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids,
+                          num_prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)
             group.sequences.append(_Sequence(req, detok))
+        self._admit_group(group)
+
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             arrival: float) -> None:
+        """A prefill-only request whose final hidden states are pooled into an embedding."""
+        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        check_prompt(ids, _PREFILL_ONLY, self.vocab_size, self.max_model_len)
+        model = self.config.model
+        pooling = PoolingState(params.pooling_type or model.pooling_type,
+                               model.pooling_normalize if params.normalize is None else params.normalize)
+        group = _Group(request_id, text, ids, arrival)
+        group.sequences.append(_Sequence(Request(request_id, ids, _PREFILL_ONLY, pooling=pooling), None))
+        self._admit_group(group)
+
+    def _admit_group(self, group: _Group) -> None:
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
-            self._seq_to_group[seq.request.request_id] = request_id
-        self._groups[request_id] = group
+            self._seq_to_group[seq.request.request_id] = group.request_id
+        self._groups[group.request_id] = group
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestTiming]:
         """Aborts unfinished requests in any state; unknown or finished ids are ignored.
@@ -152,11 +177,15 @@ class LLMEngine:
             return StepOutput([], [], self.stats())
         first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
         result = self.runner.execute(sched)
-        advanced = self.scheduler.update(sched, result.sampled, result.logprobs)
+        advanced = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs,
+                                         result.pooled)
         token_time = time.monotonic()
         new_tokens: dict[str, int] = {}  # group id -> tokens this step, over its sequences
         for req in advanced:
             group_id = self._seq_to_group[req.request_id]
+            if req.prefill_only:  # finished its prompt: an output, but no token
+                new_tokens.setdefault(group_id, 0)
+                continue
             self._detokenize(self._groups[group_id], req)
             new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
         outputs = [self._output(self._groups[gid]) for gid in new_tokens]
@@ -218,7 +247,11 @@ class LLMEngine:
             req.stop_reason = stop
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: _Group) -> RequestOutput | EmbeddingRequestOutput:
+        first = group.sequences[0].request
+        if first.pooling is not None:
+            return EmbeddingRequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                                          EmbeddingOutput(first.pooling.embedding()), group.finished)
         completions = []
         for i, seq in enumerate(group.sequences):
             req = seq.request
@@ -227,9 +260,9 @@ class LLMEngine:
             cumulative = seq.cumulative_logprob if lps else None
             completions.append(CompletionOutput(i, seq.detokenizer.output_text, list(req.output_token_ids),
                                                 cumulative, lps, req.finish_reason, req.stop_reason))
-        cached = group.sequences[0].request.num_cached_prefix_tokens
+        prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs_done else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.finished, cached)
+                             group.finished, first.num_cached_prefix_tokens, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""

@@ -27,3 +27,23 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, {token id: logprob} with
+    # the prompt token first, then the top-n; the first token's entry is None. Set once the
+    # whole prompt has been scored (None before, and when not asked).
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled final hidden state (L2-normalized unless configured off)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One ``LLM.embed`` / pooling result, shaped like vLLM's: ``output.outputs.embedding``."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

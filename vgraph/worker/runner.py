@@ -33,6 +33,8 @@ from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
 from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for, usable_max_model_len
+from .pooling import PooledChunk, pooled_chunks
+from .prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
 
@@ -48,6 +50,10 @@ _WARM_UP_TOKENS = 16
 class StepResult:
     sampled: dict[str, int]  # request id -> new token id
     logprobs: Optional[dict[str, dict[int, float]]]
+    # Request id -> the prompt tokens this step scored (requests with prompt_logprobs only).
+    prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
+    # Request id -> its chunk's share of the pooled hidden state (pooling requests only).
+    pooled: Optional[dict[str, PooledChunk]] = None
 
 
 class ModelRunner:
@@ -207,14 +213,16 @@ class ModelRunner:
         if not sched.scheduled:
             return StepResult({}, None)
         batch, decision = graphs.build(sched)
-        hidden = graphs.run(batch, decision)[batch.sample_indices]
+        rows = graphs.run(batch, decision)
+        prompt_logprobs = compute_prompt_logprobs(rows, sched, self.model.compute_logits)
+        pooled = pooled_chunks(rows, sched) or None
         if not batch.sampled_requests:
-            return StepResult({}, None)
-        logits = self.model.compute_logits(hidden)
+            return StepResult({}, None, prompt_logprobs, pooled)
+        logits = self.model.compute_logits(rows[batch.sample_indices])
         meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device)
         out = self.sampler(logits, meta)
         sampled = dict(zip((r.request_id for r in batch.sampled_requests), out.token_ids.tolist()))
         logprobs = None
         if out.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs, pooled)
