@@ -33,7 +33,8 @@ COMPLETION_CASES = [
     ({"logprobs": -1}, 400, "logprobs", "logprobs"),
     ({"n": 0}, 400, "n", "n must be"),
     ({"n": 1000}, 400, "n", "at most"),
-    ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ({"max_tokens": 0}, 400, "max_tokens", "only allowed with echo"),
+    ({"max_tokens": -1}, 400, "max_tokens", "max_tokens"),
     ({"max_tokens": "5"}, 400, "max_tokens", "valid integer"),
     ({"temperature": True}, 400, "temperature", "valid number"),
     ({"prompt": [1, "a"]}, 400, "prompt", "prompt"),
@@ -44,7 +45,7 @@ COMPLETION_CASES = [
     ({"logit_bias": {"5": 1.0}}, 400, "logit_bias", "not supported"),
     ({"suffix": "end"}, 400, "suffix", "not supported"),
     ({"best_of": 3}, 400, "best_of", "not supported"),
-    ({"echo": True, "logprobs": 1}, 400, "echo", "not supported"),
+    ({"echo": True, "logprobs": 6}, 400, "logprobs", "maximum of 5"),
     ({"model": "no-such-model"}, 404, "model", "does not exist"),
 ]
 
@@ -59,6 +60,7 @@ CHAT_CASES = [
     ({"logprobs": True, "top_logprobs": 6}, 400, "top_logprobs", "maximum of 5"),
     ({"max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ({"echo": True}, 400, "echo", "not supported in chat"),
     ({"max_completion_tokens": 600}, 400, None, "exceeds max_model_len"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "not supported"),
     ({"response_format": {"type": "json_object"}}, 400, "response_format", "text"),

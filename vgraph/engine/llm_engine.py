@@ -189,7 +189,8 @@ class LLMEngine:
             self._detokenize(self._groups[group_id], req)
             new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
         outputs = [self._output(self._groups[gid]) for gid in new_tokens]
-        timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time)
+        timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
+                                gid in new_tokens)
                    for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
         for out in outputs:
             if out.finished:
@@ -211,10 +212,13 @@ class LLMEngine:
         return first
 
     @staticmethod
-    def _timing(group: _Group, num_new_tokens: int, first_scheduled: bool, now: float) -> RequestTiming:
-        """Stamps the request's token times and says what it did in this step."""
+    def _timing(group: _Group, num_new_tokens: int, first_scheduled: bool, now: float,
+                produced: bool = False) -> RequestTiming:
+        """Stamps the request's token times and says what it did in this step. A prefill-only
+        request (``produced`` an output but no token) has its first output as first token, so
+        its prompt and time to first output are counted like a generation's."""
         ttft = itl = None
-        if num_new_tokens:
+        if num_new_tokens or (produced and group.last_token is None):
             if group.last_token is None:
                 group.first_token = now
                 ttft = group.first_token - group.arrival

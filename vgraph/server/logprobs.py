@@ -61,3 +61,27 @@ def _finite(value: Optional[float]) -> Optional[float]:
     if value is None:
         return None
     return max(float(value), -9999.0)
+
+
+def prompt_logprobs_part(token_ids: Sequence[int], logprobs: Sequence[Optional[dict[int, float]]],
+                         texts: TokenTexts) -> tuple[dict[str, Any], int]:
+    """The echoed prompt's part of completions' logprobs, as OpenAI gives it: one entry per
+    prompt token, the first with ``null`` logprob and top logprobs (nothing precedes it).
+    Offsets count from 0 (the start of the echoed text); returns the offset after the prompt."""
+    tokens, token_logprobs, top, offsets, offset = [], [], [], [], 0
+    for token_id, entry in zip(token_ids, logprobs):
+        text = texts(token_id)
+        tokens.append(text)
+        token_logprobs.append(None if entry is None else _finite(entry.get(token_id)))
+        top.append(None if entry is None else {texts(t): _finite(v) for t, v in entry.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}, offset
+
+
+def join_logprobs(first: dict[str, Any], second: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """Completions' logprobs of the prompt followed by those of the generated tokens."""
+    if second is None:
+        return first
+    return {key: first[key] + second[key] for key in first}

@@ -131,8 +131,14 @@ class CompletionRequest(_GenerationFields):
             raise bad_request("best_of other than n is not supported", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1; 0 is only allowed with echo (which then "
+                              "returns the prompt alone, with its logprobs when logprobs is set)", "max_tokens")
+
+    @property
+    def prompt_logprobs(self) -> Optional[int]:
+        """``echo`` with ``logprobs`` scores the prompt too (what evaluation harnesses ask)."""
+        return self.logprobs if self.echo else None
 
 
 class ContentPart(_Strict):
@@ -169,11 +175,13 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    echo: bool = False  # completions only: refused here
     tools: Optional[list[Any]] = None
     response_format: Optional[dict[str, Any]] = None
 
     def check(self) -> None:
         self.check_common()
+        check_chat_prefill_fields(self)
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -198,6 +206,15 @@ class ChatCompletionRequest(_GenerationFields):
     @property
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_chat_prefill_fields(body: ChatCompletionRequest) -> None:
+    """Chat always generates: no ``echo`` (a completions field) and at least one token."""
+    if body.echo:
+        raise bad_request("echo is not supported in chat completions (use /v1/completions)", "echo")
+    if body.max_new_tokens == 0:
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        raise bad_request(f"{field} must be at least 1", field)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:

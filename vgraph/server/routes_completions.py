@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import APIRouter, Request
@@ -22,7 +23,7 @@ from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..engine.inputs import PromptType
 from .errors import engine_gone, internal_error
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, join_logprobs, prompt_logprobs_part
 from .protocol import CompletionRequest
 from .state import ServerState, usage
 from .streaming import DONE, DeltaTracker, SSEResponse, sse
@@ -36,6 +37,8 @@ async def create_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, CompletionRequest)
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
+    if body.prompt_logprobs is not None:  # echo + logprobs: the prompt is scored in its prefill
+        params = replace(params, prompt_logprobs=body.prompt_logprobs)
     inputs = await _engine_inputs(state, prompts, params.n)
     job = _Completion(state, body, model, params, len(prompts))
     collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])
@@ -91,15 +94,25 @@ class _Completion:
     def _index(self, prompt_index: int, choice: CompletionOutput) -> int:
         return prompt_index * self.params.n + choice.index
 
+    def _prompt_part(self, output: RequestOutput) -> Optional[dict[str, Any]]:
+        """With echo and logprobs: the prompt tokens' logprobs, which lead each choice's."""
+        if self.params.prompt_logprobs is None:
+            return None
+        scored = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        return prompt_logprobs_part(output.prompt_token_ids, scored, self.state.token_texts)[0]
+
     def response(self, outputs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for p, output in enumerate(outputs):
             prefix = self.echoes[p]
+            prompt_part = self._prompt_part(output)
             for c in output.outputs:
                 logprobs = None
                 if self.params.logprobs is not None:
                     logprobs, _ = completion_logprobs(c.token_ids, c.logprobs or [], self.state.token_texts,
                                                       len(prefix))
+                    if prompt_part is not None:
+                        logprobs = join_logprobs(prompt_part, logprobs)
                 choices.append({"index": self._index(p, c), "text": prefix + c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {**self._envelope(choices), "usage": usage(outputs)}
@@ -120,7 +133,7 @@ class _Completion:
                             prefix = self.echoes[p]
                             trackers[key] = DeltaTracker(self.params, prefix)
                             offsets[key] = len(prefix)
-                        chunk = self._chunk_choice(p, c, trackers[key], offsets, key)
+                        chunk = self._chunk_choice(p, output, c, trackers[key], offsets, key)
                         if chunk is not None:
                             yield sse({**self._envelope([chunk]), **({"usage": None} if with_usage else {})})
             if with_usage:
@@ -134,10 +147,13 @@ class _Completion:
                 self.state.engine.abort(self.ids)
         yield DONE
 
-    def _chunk_choice(self, p: int, c: CompletionOutput, tracker: DeltaTracker,
+    def _chunk_choice(self, p: int, output: RequestOutput, c: CompletionOutput, tracker: DeltaTracker,
                       offsets: dict[tuple[int, int], int], key: tuple[int, int]) -> Optional[dict[str, Any]]:
         if tracker.finished:
             return None
+        first = not tracker.started  # the chunk that carries the echoed prompt
+        if first and self.params.prompt_logprobs is not None and output.prompt_logprobs is None:
+            return None  # the prompt is not fully scored yet: the next snapshot will be
         finished = c.finish_reason is not None
         text = tracker.text_delta(c.text, finished)
         logprobs = None
@@ -146,6 +162,8 @@ class _Completion:
             if end > start:
                 logprobs, offsets[key] = completion_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
                                                              self.state.token_texts, offsets[key])
+            if first and self.params.prompt_logprobs is not None:
+                logprobs = join_logprobs(self._prompt_part(output), logprobs)
         if not (text or logprobs or finished):
             return None
         tracker.finished = finished
