@@ -34,3 +34,24 @@ def hf_greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int) -> tu
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=64)
+@torch.inference_mode()
+def hf_prompt_logprobs(path: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """[len(prompt), vocab]: row j is the log-softmax of the logits after prompt token j."""
+    return _hf_model(path)(torch.tensor([list(prompt)])).logits[0].float().log_softmax(-1)
+
+
+@functools.lru_cache(maxsize=64)
+@torch.inference_mode()
+def hf_hidden(path: str, prompt: tuple[int, ...]) -> torch.Tensor:
+    """[len(prompt), hidden]: the final norm's output (transformers' last hidden state)."""
+    return _hf_model(path)(torch.tensor([list(prompt)]), output_hidden_states=True).hidden_states[-1][0].float()
+
+
+def hf_embedding(path: str, prompt: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
+    """The hidden states pooled as vgraph's embeddings are: the last row or the mean, L2-normalized."""
+    h = hf_hidden(path, tuple(prompt))
+    v = h[-1] if pooling == "last" else h.mean(0)
+    return torch.nn.functional.normalize(v, dim=0) if normalize else v

@@ -3,8 +3,6 @@
 batches, through chunked prefill and preemption, mixed with generation in the same steps."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -12,22 +10,10 @@ from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, PoolingParams, SamplingParams
 from vgraph.config import CompileConfig
 
-from .hf_oracle import _hf_model, hf_greedy, random_prompts
+from .hf_oracle import hf_embedding as expected
+from .hf_oracle import hf_greedy, random_prompts
 
 TOL = 1e-5
-
-
-@functools.lru_cache(maxsize=64)
-@torch.inference_mode()
-def hf_hidden(path: str, prompt: tuple[int, ...]) -> torch.Tensor:
-    """[len(prompt), hidden]: the final norm's output (transformers' last hidden state)."""
-    return _hf_model(path)(torch.tensor([list(prompt)]), output_hidden_states=True).hidden_states[-1][0].float()
-
-
-def expected(path: str, prompt: list[int], pooling: str, normalize: bool = True) -> torch.Tensor:
-    h = hf_hidden(path, tuple(prompt))
-    v = h[-1] if pooling == "last" else h.mean(0)
-    return torch.nn.functional.normalize(v, dim=0) if normalize else v
 
 
 def _llm(path: str, mode: str = "eager", **kw) -> LLM:

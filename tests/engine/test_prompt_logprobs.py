@@ -4,25 +4,15 @@ chunked prefill, a prompt whose prefix is in the prefix cache, preemption by rec
 and prefill-only requests (``max_tokens=0``)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
 from vgraph.config import CompileConfig
 
-from .hf_oracle import _hf_model, hf_greedy, random_prompts
+from .hf_oracle import hf_greedy, hf_prompt_logprobs, random_prompts
 
 TOL = 1e-4
-
-
-@functools.lru_cache(maxsize=64)
-@torch.inference_mode()
-def hf_prompt_logprobs(path: str, prompt: tuple[int, ...]) -> torch.Tensor:
-    """[len(prompt), vocab]: row j is the log-softmax of the logits after prompt token j."""
-    return _hf_model(path)(torch.tensor([list(prompt)])).logits[0].float().log_softmax(-1)
 
 
 def _llm(path: str, mode: str = "eager", **kw) -> LLM:

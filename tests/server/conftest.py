@@ -135,3 +135,23 @@ def client(server: ServerProcess) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
+
+
+TINY_MODEL = "tiny"
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """An eager fp32 server on the tiny Llama test checkpoint, which transformers scores the
+    same way (prompt logprobs, embeddings, lm-eval); 32-token steps, so longer prompts run
+    as chunked prefills. Its ``checkpoint`` attribute is the model directory."""
+    from tests.checkpoints import tiny_checkpoint
+
+    path = tiny_checkpoint(arch="llama")
+    proc = ServerProcess("--model", path, "--served-model-name", TINY_MODEL, *EAGER_ARGS, "--dtype", "float32",
+                         "--max-logprobs", "5", "--max-num-batched-tokens", "32")
+    proc.checkpoint = path
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.close()
