@@ -209,7 +209,9 @@ class ModelRunner:
         return self._step(self.graphs, sched)
 
     def _step(self, graphs: GraphRunner, sched: SchedulerOutput) -> StepResult:
-        """Build, forward on the dispatcher's path, logits of the sampled rows, sample."""
+        """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
+        same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
+        (worker/pooling.py) for the requests that ask."""
         if not sched.scheduled:
             return StepResult({}, None)
         batch, decision = graphs.build(sched)
