@@ -52,6 +52,8 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "tokenizer": [(["--tokenizer", "some/tokenizer"], "some/tokenizer")],
     "revision": [(["--revision", "v2"], "v2")],
     "load_format": [(["--load-format", "dummy"], "dummy")],
+    "pooling_type": [(["--pooling-type", "mean"], "mean")],
+    "pooling_normalize": [(["--no-pooling-normalize"], False)],
     "block_size": [(["--block-size", "32"], 32)],
     "enable_prefix_caching": [(["--no-prefix-caching"], False)],
     "gpu_memory_utilization": [(["--gpu-memory-utilization", "0.5"], 0.5)],
