@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from ..config import CacheConfig, SchedulerConfig
 from .block_pool import BlockPool
@@ -257,8 +257,8 @@ class Scheduler:
         return new_token_requests
 
     @staticmethod
-    def _apply_prompt_results(request: Request, prompt_logprobs: Optional[dict[str, Any]],
-                              pooled: Optional[dict[str, Any]]) -> None:
+    def _apply_prompt_results(request: Request, prompt_logprobs: Optional[dict[str, "PromptLogprobs"]],
+                              pooled: Optional[dict[str, "PooledChunk"]]) -> None:
         """Folds a chunk's prompt logprobs and pooled share into the request."""
         if prompt_logprobs is not None and request.request_id in prompt_logprobs:
             result = prompt_logprobs[request.request_id]
