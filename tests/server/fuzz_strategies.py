@@ -214,6 +214,7 @@ GOOD: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "logprobs": st.booleans(),
         "top_logprobs": st.one_of(st.none(), st.integers(0, 5)),
         "add_generation_prompt": st.booleans(),
+        "echo": st.just(False),  # true is a 400 in chat (completions only)
         "tools": st.sampled_from([None, []]),
         "response_format": st.sampled_from([None, {"type": "text"}, {}]),
     },

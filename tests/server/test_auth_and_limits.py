@@ -14,7 +14,7 @@ KEY = "sk-test-0123456789"
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[bot]"
 PROTECTED_ROUTES = [("GET", "/v1/models"), ("GET", "/v1/models/demo-model-v1"), ("POST", "/v1/completions"),
                     ("POST", "/v1/chat/completions"), ("GET", "/v1/no-such-route"), ("POST", "/tokenize"),
-                    ("POST", "/detokenize")]
+                    ("POST", "/detokenize"), ("POST", "/v1/embeddings")]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -122,6 +122,7 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
     ("/v1/completions", {"prompt": "a", "n": 3}, "n"),
     ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}, "n"),
+    ("/v1/embeddings", {"input": ["a", "b", "c"]}, "input"),
 ])
 def test_a_request_that_can_never_fit_the_queue_is_a_400(guarded, path, changes, param):
     """--max-queue-len 2 counts sequences (prompts x n): more than 2 in one request could never

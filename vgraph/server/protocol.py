@@ -214,7 +214,7 @@ def check_chat_prefill_fields(body: ChatCompletionRequest) -> None:
         raise bad_request("echo is not supported in chat completions (use /v1/completions)", "echo")
     if body.max_new_tokens == 0:
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        raise bad_request(f"{field} must be at least 1", field)
+        raise bad_request(f"{field} must be at least 1 (max_tokens 0 is for /v1/completions with echo)", field)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
