@@ -132,3 +132,18 @@ def test_bad_pooling_input_is_a_value_error():
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.embed([[1, 2], [10**6]], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prompt_may_fill_the_whole_context_when_nothing_is_generated():
+    """Embedding and max_tokens=0 scoring generate nothing, so a prompt of exactly
+    max_model_len tokens fits; one token more is refused."""
+    path = tiny_checkpoint(arch="llama")
+    llm = _llm(path, max_model_len=64)
+    prompt = random_prompts([64], llm.engine.vocab_size, seed=24)[0]
+    out = llm.embed({"prompt_token_ids": prompt}, use_tqdm=False)[0]
+    assert _close(out.outputs.embedding, expected(path, prompt, "last"))
+    scored = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=0, prompt_logprobs=0),
+                          use_tqdm=False)[0]
+    assert len(scored.prompt_logprobs) == 64 and scored.outputs[0].token_ids == []
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.embed({"prompt_token_ids": prompt + [1]}, use_tqdm=False)

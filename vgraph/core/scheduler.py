@@ -308,11 +308,12 @@ class Scheduler:
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
             raise ValueError("the prompt must contain at least one token")
-        if num_prompt >= self.max_model_len:
+        # A prefill-only request (pooling, max_tokens=0) may fill the context; others need a slot.
+        if num_prompt >= self.max_model_len + request.prefill_only:
             raise ValueError(f"the prompt has {num_prompt} tokens, which leaves no room to generate "
                              f"within max_model_len={self.max_model_len}")
         capacity = self.block_pool.num_blocks * self.block_size
-        if num_prompt >= capacity:
+        if num_prompt >= capacity + request.prefill_only:
             raise ValueError(f"the prompt has {num_prompt} tokens but the KV cache holds only "
                              f"{capacity} tokens ({self.block_pool.num_blocks} blocks of {self.block_size})")
         if not self.config.enable_chunked_prefill and num_prompt > self.config.max_num_batched_tokens:

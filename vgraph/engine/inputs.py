@@ -38,6 +38,10 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
     bad = [t for t in ids if t < 0 or t >= vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    if params.max_tokens == 0:  # prefill only (echo, scoring, pooling): the prompt may fill the context
+        if len(ids) > max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}")
+        return params
     if len(ids) >= max_model_len:
         raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
                          "which must leave room for at least one generated token")
