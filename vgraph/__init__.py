@@ -20,12 +20,14 @@ _LAZY = {
     "ops": ("vgraph.ops", None),
     "passes": ("vgraph.passes", None),
     "SamplingParams": ("vgraph.sampling_params", "SamplingParams"),
+    "StructuredOutputsParams": ("vgraph.structured.params", "StructuredOutputsParams"),
+    "GuidedDecodingParams": ("vgraph.structured.params", "GuidedDecodingParams"),
     "LLM": ("vgraph.engine.llm", "LLM"),
     "LLMEngine": ("vgraph.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("vgraph.engine.outputs", "RequestOutput"),
     "EngineConfig": ("vgraph.config", "EngineConfig"),
 }
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ops", "passes"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput", "EngineConfig", "ops", "passes"]
 
 
 def __getattr__(name: str) -> Any:

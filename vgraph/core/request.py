@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..sampling_params import SamplingParams
+from ..structured.matcher import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +46,8 @@ class Request:
     generator: Optional[torch.Generator] = None
     # Mixed into the first prefix-cache block hash: requests with different salts never share KV.
     cache_salt: Optional[str] = None
+    # Structured outputs: this sequence's matcher, advanced by the scheduler on each new token.
+    grammar: Optional[GrammarState] = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:
