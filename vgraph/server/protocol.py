@@ -4,8 +4,9 @@ Models are strict (``"5"`` is not an integer, ``true`` is not a number): a clien
 the wrong type gets a 400 naming the field rather than a silently coerced value. Unknown
 fields are ignored, as in vLLM, because OpenAI clients add fields (``user``, metadata) that
 change nothing here; fields that *would* change the result but are not supported
-(``logit_bias``, ``suffix``, ``tools``, a JSON ``response_format``, ``best_of`` > n) are
-rejected explicitly instead of being ignored.
+(``logit_bias``, ``suffix``, ``best_of`` > n) are rejected explicitly instead of being ignored.
+Structured-output fields (``response_format`` and vLLM's ``guided_*`` / ``structured_outputs``)
+are read by ``structured.py``.
 """
 from __future__ import annotations
 
@@ -54,6 +55,13 @@ class _GenerationFields(_Strict):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    # Structured outputs (see structured.py): OpenAI's response_format and vLLM's extras.
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -170,7 +178,6 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
 
     def check(self) -> None:
         self.check_common()
@@ -180,8 +187,6 @@ class ChatCompletionRequest(_GenerationFields):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.tools:
             raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", "response_format")
 
     @property
     def max_new_tokens(self) -> Optional[int]:

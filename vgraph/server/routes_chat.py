@@ -31,6 +31,7 @@ async def create_chat_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
                                   body.field_names)
+    params = await state.constrain(body, params)
     messages = await state.chat_messages(body.messages, params.n)
     text, ids = await state.encode_chat(messages, body.add_generation_prompt)
     job = _Chat(state, body, model, params)

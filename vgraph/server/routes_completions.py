@@ -36,6 +36,7 @@ async def create_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, CompletionRequest)
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
+    params = await state.constrain(body, params)
     inputs = await _engine_inputs(state, prompts, params.n)
     job = _Completion(state, body, model, params, len(prompts))
     collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Request
@@ -22,6 +22,7 @@ from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, content_parts, param_from_message, template_messages
 from .streaming import DisconnectWatch
+from .structured import compile_or_400, requested_constraint
 from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")
@@ -169,6 +170,20 @@ class ServerState:
         self.require_ready()
         self.limits.check_stops(body.stop_strings, body.stop_token_ids)
         return body, model
+
+    async def constrain(self, body: Any, params: SamplingParams) -> SamplingParams:
+        """``params`` with the request's structured-output constraint, if it asks for one,
+        compiled first (off the event loop) so that an invalid one is a 400 naming it."""
+        found = requested_constraint(body)
+        if found is None:
+            return params
+        spec, param = found
+        try:
+            constrained = replace(params, structured_outputs=spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+        await compile_or_400(self.engine.grammar_compiler, spec, param)
+        return constrained
 
     async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
                      prompt_param: str = "prompt") -> OutputCollector:
