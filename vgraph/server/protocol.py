@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..sampling_params import SamplingParams
 from .errors import bad_request
+from .tools import template_tool_calls
 
 MAX_N = 128  # choices per prompt, OpenAI's limit
 # Seeds seed torch's 64-bit generator, and choice i of a request uses seed + i: a signed 64-bit
@@ -152,6 +153,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (multi-turn tool use)
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         """``{"role", "content"}`` with text parts joined; other part types are rejected."""
@@ -167,6 +170,10 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = template_tool_calls(self.tool_calls, index)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -177,7 +184,9 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
-    tools: Optional[list[Any]] = None
+    tools: Optional[list[Any]] = None  # checked and resolved by tools.py
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def check(self) -> None:
         self.check_common()
@@ -185,8 +194,6 @@ class ChatCompletionRequest(_GenerationFields):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
 
     @property
     def max_new_tokens(self) -> Optional[int]:
