@@ -86,8 +86,11 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` with the disallowed tokens of ``rows`` at -inf (a new tensor; ``logits`` is
-    left alone, since the caller may still read it for raw logprobs)."""
+    """``logits`` with the disallowed tokens of ``rows`` (distinct, ascending) at -inf: a new
+    tensor, ``logits`` is left alone, since the caller may still read it for raw logprobs."""
     allowed = unpack(bitmask, logits.shape[-1])
-    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    banned = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if rows.shape[0] == logits.shape[0]:  # every row constrained (rows are distinct): no gather
+        return torch.where(allowed, logits, banned)
+    masked = torch.where(allowed, logits.index_select(0, rows), banned)
     return logits.index_copy(0, rows, masked)
