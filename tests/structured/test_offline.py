@@ -207,3 +207,30 @@ def test_unpack_matches_bit_order():
     bitmask = torch.tensor([[0b1011 - 2**31, 0b101]], dtype=torch.int32)  # bit 31 is the sign bit
     allowed = unpack(bitmask, 34)[0]
     assert allowed.nonzero().flatten().tolist() == [0, 1, 3, 31, 32]
+
+
+def test_a_model_with_more_logit_rows_than_tokens(tmp_path):
+    """lm_head rows beyond the tokenizer (padded vocabularies, as Qwen's): never generated."""
+    from vgraph.models.demo import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(tmp_path / "padded", "llama", seed=0, vocab_size=600)
+    llm = LLM(path, dtype="float32", device="cpu", num_gpu_blocks=64, max_model_len=256, enforce_eager=True)
+    assert llm.engine.vocab_size == 600 and len(llm.get_tokenizer()) == 512
+    params = SamplingParams(temperature=1.0, seed=0, n=4, max_tokens=MAX_TOKENS, structured_outputs=S(json=PERSON))
+    for c in _gen(llm, ["Hello"], params)[0].outputs:
+        assert max(c.token_ids) < 512
+        check_person(c.text)
+    state = GrammarState(llm.engine.grammar_compiler.compile(S(json_object=True)).matcher(), llm.engine.eos_token_ids)
+    allowed = unpack(fill_masks([state], 600).bitmask, 600)[0]
+    assert not allowed[512:].any()
+
+
+def test_missing_llguidance_is_a_clear_error(monkeypatch):
+    import sys
+
+    from vgraph.structured.compiler import GrammarCompiler
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
+    compiler = GrammarCompiler("{}", 512, [1])
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        compiler.compile(S(regex="a+"))
