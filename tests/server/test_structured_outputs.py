@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import openai
 import pytest
@@ -85,7 +86,6 @@ def test_guided_grammar(client, model):
     grammar = 'start: "(" num ("," num)? ")"\nnum: /[0-9]{1,3}/'
     response = client.completions.create(model=model, prompt="Hello", max_tokens=20, temperature=0.0,
                                          extra_body={"guided_grammar": grammar})
-    import re
     assert re.fullmatch(r"\(\d{1,3}(,\d{1,3})?\)", response.choices[0].text)
 
 
@@ -95,7 +95,7 @@ def test_constrained_and_free_requests_share_batches(server, model):
 
     async def free(prompt: str):
         r = await client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
-                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": False})
+                                            extra_body={"ignore_eos": True})
         return r.choices[0].text
 
     async def constrained(prompt: str):

@@ -3,6 +3,9 @@ seeded sampling, n > 1, batches mixing constrained and free requests, preemption
 ValueErrors naming the problem, and free requests are untouched by constrained neighbours."""
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
@@ -54,7 +57,6 @@ def test_regex_choice_and_grammar(llm):
         for c in choice.outputs:
             check_choice(c.text)
         for c in gram.outputs:
-            import re
             assert re.fullmatch(r"\(\d{1,3}(,\d{1,3})?\)", c.text), c.text
         assert all(c.finish_reason == "stop" for o in (code, choice, gram) for c in o.outputs)
 
@@ -178,7 +180,6 @@ def test_json_object_mode_is_honest_on_a_random_model(llm):
     stops parses as an object, and each that hits max_tokens is a prefix of a JSON document."""
     params = SamplingParams(temperature=0.8, seed=1, n=4, max_tokens=48, structured_outputs=S(json_object=True))
     outs = _gen(llm, PROMPTS, params)
-    import json
     for c in (c for o in outs for c in o.outputs):
         assert c.text.startswith("{")
         if c.finish_reason == "stop":

@@ -22,7 +22,6 @@ is held back), each call's name once it is complete, then its arguments as they 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -84,7 +83,7 @@ def scan_object(text: str, start: int) -> tuple[dict[str, tuple[int, Optional[in
                 return keys, i + 1
         elif depth == 1 and ch == ":":
             expecting_key = False
-            value_start = _skip_ws(text, i + 1)
+            value_start = skip_ws(text, i + 1)
             if key is not None:
                 keys[key] = (value_start, None)
         elif depth == 1 and ch == ",":
@@ -108,7 +107,7 @@ def _string_end(text: str, i: int) -> Optional[int]:
     return None
 
 
-def _skip_ws(text: str, i: int) -> int:
+def skip_ws(text: str, i: int) -> int:
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
     return i
@@ -158,7 +157,7 @@ def complete_call(obj_text: str, args_keys: tuple[str, ...]) -> Optional[ToolCal
                     return None
             if not isinstance(args, dict):
                 return None
-            call, _ = partial_call(obj_text, _skip_ws(obj_text, 0), args_keys)
+            call, _ = partial_call(obj_text, skip_ws(obj_text, 0), args_keys)
             text = call.arguments if call.arguments else json.dumps(args)
             return ToolCall(obj["name"], text)
     return ToolCall(obj["name"], "{}")
@@ -229,7 +228,7 @@ class HermesToolParser(ToolParser):
         pos = 0
         for begin, body, end in self._regions(text):
             stop = end if end is not None else len(text)
-            start = _skip_ws(text, body)
+            start = skip_ws(text, body)
             closed = end is not None or finished
             whole = self._region_call(text, body, end) if closed else None
             if closed and whole is None:
@@ -256,9 +255,9 @@ class Llama3JsonToolParser(ToolParser):
     ARGS = ("parameters", "arguments")
 
     def _body_start(self, text: str) -> int:
-        start = _skip_ws(text, 0)
+        start = skip_ws(text, 0)
         if text.startswith(self.TAG, start):
-            start = _skip_ws(text, start + len(self.TAG))
+            start = skip_ws(text, start + len(self.TAG))
         return start
 
     def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
@@ -275,16 +274,16 @@ class Llama3JsonToolParser(ToolParser):
             if call is None:
                 return text, []
             calls.append(call)
-            pos = _skip_ws(text, end)
+            pos = skip_ws(text, end)
             if pos < len(text):
                 if text[pos] != ";":
                     return text, []
-                pos = _skip_ws(text, pos + 1)
+                pos = skip_ws(text, pos + 1)
         return None, calls
 
     def plan(self, text: str, finished: bool) -> Plan:
         pos = self._body_start(text)
-        rest = text[_skip_ws(text, 0):]
+        rest = text[skip_ws(text, 0):]
         if not finished and (self.TAG.startswith(rest) or (rest.startswith(self.TAG) and pos >= len(text))):
             return Plan()  # nothing yet, or a (partial) python tag: wait
         if not text.startswith("{", pos) or (finished and not self.parse(text)[1]):
@@ -295,9 +294,9 @@ class Llama3JsonToolParser(ToolParser):
             plan.calls.append(call)
             if end is None:
                 break
-            pos = _skip_ws(text, end)
+            pos = skip_ws(text, end)
             if pos < len(text) and text[pos] == ";":
-                pos = _skip_ws(text, pos + 1)
+                pos = skip_ws(text, pos + 1)
         return plan
 
 
