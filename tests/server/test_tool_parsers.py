@@ -37,10 +37,18 @@ def stream(parser, text: str, step: int) -> tuple[str, dict[int, list[str]], lis
 
 def test_hermes_complete():
     content, calls = get_parser("hermes").parse(HERMES_TWO)
-    assert content == "Let me check."
+    assert content == "Let me check.\n\n"
     assert calls == [ToolCall("get_weather", '{"city": "Paris", "days": [1, {"x": "}]{"}]}'),
                      ToolCall("search", '{"q": "a\\"b"}')]
     assert json.loads(calls[0].arguments) == {"city": "Paris", "days": [1, {"x": "}]{"}]}
+
+
+def test_hermes_calls_separated_by_whitespace_have_no_content():
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>\n'
+    assert get_parser("hermes").parse(text) == (None, [ToolCall("f", "{}"), ToolCall("g", "{}")])
+    for step in (1, 5):
+        content, calls, _ = stream(get_parser("hermes"), text, step)
+        assert content == "" and [c[0] for c in calls.values()] == ["f", "g"]
 
 
 def test_hermes_unclosed_last_call_counts_when_its_json_is_complete():
@@ -72,14 +80,14 @@ def test_hermes_call_broken_inside_its_arguments():
 def test_hermes_malformed_region_stays_content_next_to_a_good_call():
     text = 'a <tool_call>oops</tool_call> b <tool_call>{"name": "f", "arguments": {}}</tool_call>'
     content, calls = get_parser("hermes").parse(text)
-    assert content == "a <tool_call>oops</tool_call> b" and calls == [ToolCall("f", "{}")]
+    assert content == "a <tool_call>oops</tool_call> b " and calls == [ToolCall("f", "{}")]
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_hermes_streamed_equals_whole(step):
     content, calls, raw = stream(get_parser("hermes"), HERMES_TWO, step)
     whole_content, whole_calls = get_parser("hermes").parse(HERMES_TWO)
-    assert content.strip() == whole_content
+    assert content == whole_content
     assert [ToolCall(*calls[i]) for i in sorted(calls)] == whole_calls
     if step == 1:
         assert sum(1 for d in raw if d.index == 0 and d.name is None) > 5, "arguments stream in fragments"

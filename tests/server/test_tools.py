@@ -153,3 +153,23 @@ def test_bad_tool_requests_are_400s(tclient, extra, param, message):
     assert info.value.body["param"] == param and message in info.value.body["message"], info.value.body
     ok = tclient.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4)
     assert ok.choices[0].message.content is not None
+
+
+def test_auto_parses_a_call_the_model_writes(tclient):
+    """A reply that holds a hermes call (forced here with a regex, as a random model will not
+    write one) comes back as tool_calls, whole and streamed."""
+    regex = (r'Checking\. <tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
+             r'\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo", "days": 3\}\}\n</tool_call>')
+    kwargs = dict(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=200, temperature=0.0,
+                  extra_body={"guided_regex": regex})
+    whole = tclient.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking. \n"
+    calls = [(t.function.name, json.loads(t.function.arguments)) for t in whole.message.tool_calls]
+    assert calls == [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "days": 3})]
+    with tclient.chat.completions.stream(**kwargs) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content == "Checking. \n"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in final.message.tool_calls] == calls
+    assert len({t.id for t in final.message.tool_calls}) == 2

@@ -220,8 +220,8 @@ class HermesToolParser(ToolParser):
         if not calls:
             return text, []
         content.append(text[pos:])
-        joined = "".join(content).strip()
-        return (joined or None), calls
+        joined = "".join(content)
+        return (joined if joined.strip() else None), calls
 
     def plan(self, text: str, finished: bool) -> Plan:
         plan = Plan()
@@ -346,8 +346,14 @@ class ToolStreamer:
     def feed(self, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
         """New content and call deltas given the cumulative ``text``."""
         plan = self.parser.plan(text, finished)
-        content = plan.content[self.content_sent:]
-        self.content_sent = max(self.content_sent, len(plan.content))
+        # Whitespace is held until something follows it: a reply of calls separated by
+        # newlines has no content, as in the non-streamed answer.
+        if finished:
+            ready = len(plan.content) if plan.content.strip() or not plan.calls else 0
+        else:
+            ready = len(plan.content.rstrip())
+        content = plan.content[self.content_sent:ready]
+        self.content_sent = max(self.content_sent, ready)
         deltas = []
         for i, call in enumerate(plan.calls):
             if i >= self.names_sent:
