@@ -89,8 +89,7 @@ def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor)
     """``logits`` with the disallowed tokens of ``rows`` (distinct, ascending) at -inf: a new
     tensor, ``logits`` is left alone, since the caller may still read it for raw logprobs."""
     allowed = unpack(bitmask, logits.shape[-1])
-    banned = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
     if rows.shape[0] == logits.shape[0]:  # every row constrained (rows are distinct): no gather
-        return torch.where(allowed, logits, banned)
-    masked = torch.where(allowed, logits.index_select(0, rows), banned)
+        return logits.masked_fill(~allowed, float("-inf"))
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, rows, masked)
