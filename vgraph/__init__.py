@@ -20,6 +20,8 @@ _LAZY = {
     "ops": ("vgraph.ops", None),
     "passes": ("vgraph.passes", None),
     "SamplingParams": ("vgraph.sampling_params", "SamplingParams"),
+    "StructuredOutputsParams": ("vgraph.structured.params", "StructuredOutputsParams"),
+    "GuidedDecodingParams": ("vgraph.structured.params", "GuidedDecodingParams"),
     "LLM": ("vgraph.engine.llm", "LLM"),
     "LLMEngine": ("vgraph.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("vgraph.engine.outputs", "RequestOutput"),
@@ -27,8 +29,8 @@ _LAZY = {
     "PoolingParams": ("vgraph.pooling_params", "PoolingParams"),
     "EmbeddingRequestOutput": ("vgraph.engine.outputs", "EmbeddingRequestOutput"),
 }
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "EngineConfig", "ops", "passes",
-           "PoolingParams", "EmbeddingRequestOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
+           "PoolingParams", "RequestOutput", "EmbeddingRequestOutput", "EngineConfig", "ops", "passes"]
 
 
 def __getattr__(name: str) -> Any:

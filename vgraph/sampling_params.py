@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+from .structured.params import StructuredOutputsParams
 
 _EPS = 1e-5
 
@@ -30,8 +32,14 @@ class SamplingParams:
     # Top logprobs per prompt token (0 = only the prompt token's own); the first token has none.
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
+    # Constrains the output to a JSON schema, JSON object, regex, choice or grammar (a dict
+    # with the same keys is accepted too); ``guided_decoding`` is vLLM's older name for it.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = _structured(self.structured_outputs, self.guided_decoding)
+        self.guided_decoding = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -67,9 +75,25 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides "
+                             "where the output ends")
         if max_logprobs is not None and self.logprobs is not None and self.logprobs > max_logprobs:
             raise ValueError(f"logprobs={self.logprobs} exceeds the maximum of {max_logprobs} "
                              "(raise it with max_logprobs / --max-logprobs)")
         if max_logprobs is not None and self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
             raise ValueError(f"prompt_logprobs={self.prompt_logprobs} exceeds the maximum of {max_logprobs} "
                              "(raise it with max_logprobs / --max-logprobs)")
+
+
+def _structured(value: Any, alias: Any) -> Optional[StructuredOutputsParams]:
+    """``structured_outputs`` (or its alias ``guided_decoding``) as StructuredOutputsParams."""
+    if value is not None and alias is not None and value != alias:
+        raise ValueError("structured_outputs and guided_decoding are the same setting; give one of them")
+    value = value if value is not None else alias
+    if isinstance(value, dict):
+        return StructuredOutputsParams.from_dict(value)
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError("structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                         f"got {type(value).__name__}")
+    return value

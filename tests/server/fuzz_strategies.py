@@ -166,7 +166,7 @@ def messages() -> st.SearchStrategy[list]:
     message = st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
          "content": st.one_of(texts(), st.none(), content_parts())},
-        optional={"name": texts(10)})
+        optional={"name": texts(10), "tool_call_id": texts(10)})
     return st.lists(message, min_size=1, max_size=3)
 
 
@@ -193,6 +193,15 @@ def _generation_fields() -> dict[str, st.SearchStrategy[Any]]:
         "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
         "logit_bias": st.one_of(st.none(), st.just({})),
         "user": st.one_of(st.none(), texts()),
+        # Structured outputs, bounded so a constrained request ends within MAX_NEW tokens.
+        "response_format": st.sampled_from([None, {"type": "text"}, {}, {"type": "json_object"},
+                                            {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                                                "enum": ["a", "b"]}}}]),
+        "guided_json": st.sampled_from([None, {"type": "integer", "minimum": 0, "maximum": 9}]),
+        "guided_regex": st.sampled_from([None, "[ab]{1,3}"]),
+        "guided_choice": st.sampled_from([None, ["x", "y"]]),
+        "guided_grammar": st.sampled_from([None, 'start: "a" | "b"']),
+        "structured_outputs": st.sampled_from([None, {"choice": ["p", "q"]}]),
     }
 
 
@@ -215,8 +224,12 @@ GOOD: dict[str, dict[str, st.SearchStrategy[Any]]] = {
         "top_logprobs": st.one_of(st.none(), st.integers(0, 5)),
         "add_generation_prompt": st.booleans(),
         "echo": st.just(False),  # true is a 400 in chat (completions only)
-        "tools": st.sampled_from([None, []]),
-        "response_format": st.sampled_from([None, {"type": "text"}, {}]),
+        "tools": st.sampled_from([None, [], [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"],
+            "additionalProperties": False}}}]]),
+        "tool_choice": st.sampled_from([None, "none", "auto", "required",
+                                        {"type": "function", "function": {"name": "f"}}]),
+        "parallel_tool_calls": st.sampled_from([None, False]),
     },
     "/tokenize": {
         "model": st.sampled_from([MODEL, None]),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..sampling_params import SamplingParams
+from ..structured.matcher import GrammarState
 
 if TYPE_CHECKING:
     from ..worker.pooling import PoolingState
@@ -56,6 +57,8 @@ class Request:
     prompt_logprobs: list[Optional[dict[int, float]]] = field(default_factory=list)
     # A pooling (embedding) request: prefill only, its hidden states pooled chunk by chunk.
     pooling: Optional["PoolingState"] = None
+    # Structured outputs: this sequence's matcher, advanced by the scheduler on each new token.
+    grammar: Optional[GrammarState] = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None and self.generator is None:

@@ -272,6 +272,8 @@ class Scheduler:
         request.output_token_ids.append(token_id)
         if logprobs is not None and request.request_id in logprobs:
             request.logprobs.append(logprobs[request.request_id])
+        if request.grammar is not None:
+            request.grammar.advance(request.output_token_ids)
 
     def _check_stop(self, request: Request) -> bool:
         """Sets a finished status after a new token; length caps win, as in vLLM.
@@ -294,6 +296,22 @@ class Scheduler:
         if last in params.stop_token_ids:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = last
+            return True
+        return self._check_grammar(request)
+
+    @staticmethod
+    def _check_grammar(request: Request) -> bool:
+        """A grammar closed by EOS ends the request (even with ``ignore_eos``); one whose matcher
+        failed (a token it rejected: a bug, logged by the matcher) ends it as aborted."""
+        grammar = request.grammar
+        if grammar is None:
+            return False
+        if grammar.error is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
+        if grammar.ended:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = None
             return True
         return False
 

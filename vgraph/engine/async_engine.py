@@ -160,6 +160,7 @@ class AsyncEngine:
         self.model_path = ""
         self.max_logprobs = 0
         self.eos_token_ids: frozenset[int] = frozenset()
+        self.grammar_compiler: Any = None  # thread-safe: the server validates grammars with it
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
@@ -328,7 +329,7 @@ class AsyncEngine:
                      "max_model_len": engine.max_model_len,
                      "vocab_size": engine.vocab_size, "model_path": engine.config.model.model,
                      "max_logprobs": engine.config.max_logprobs, "eos_token_ids": engine.eos_token_ids,
-                     "stats": engine.stats()}
+                     "grammar_compiler": engine.grammar_compiler, "stats": engine.stats()}
         except BaseException as exc:  # reported to the caller, who decides how to exit
             self._stopped.set()
             self._post(self._on_startup_failed, exc)

@@ -17,6 +17,8 @@ from ..models.quantization import resolve_quantization
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..worker.pooling import PoolingState
+from ..structured.compiler import GrammarCompiler, tokenizer_json
+from ..structured.matcher import GrammarState
 from ..worker.runner import ModelRunner
 from .detokenizer import IncrementalDetokenizer
 from .inputs import PromptType, check_prompt, prompt_to_ids
@@ -83,6 +85,10 @@ class LLMEngine:
         # capacity when that is smaller (the runner warns). /v1/models reports this one.
         self.max_model_len = self.runner.max_model_len
         self.vocab_size = self.runner.vocab_size
+        # Structured outputs: grammars over the model's vocabulary (lm_head rows), compiled on
+        # first use and cached; thread-safe, so the server validates requests with it too.
+        self.grammar_compiler = GrammarCompiler(tokenizer_json(self.tokenizer), self.vocab_size,
+                                                sorted(self.eos_token_ids))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len)
         self._groups: dict[str, _Group] = {}
@@ -109,12 +115,15 @@ class LLMEngine:
         params.validate(self.config.max_logprobs)
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.grammar_compiler.compile(spec)
         group = _Group(request_id, text, ids, arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            state = None if grammar is None else GrammarState(grammar.matcher(), self.eos_token_ids)
             # The prompt's logprobs are the same for every sequence: the first computes them.
-            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids,
+            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, grammar=state,
                           num_prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.stop, params.include_stop_str_in_output)

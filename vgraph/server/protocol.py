@@ -4,8 +4,9 @@ Models are strict (``"5"`` is not an integer, ``true`` is not a number): a clien
 the wrong type gets a 400 naming the field rather than a silently coerced value. Unknown
 fields are ignored, as in vLLM, because OpenAI clients add fields (``user``, metadata) that
 change nothing here; fields that *would* change the result but are not supported
-(``logit_bias``, ``suffix``, ``tools``, a JSON ``response_format``, ``best_of`` > n) are
-rejected explicitly instead of being ignored.
+(``logit_bias``, ``suffix``, ``best_of`` > n) are rejected explicitly instead of being ignored.
+Structured-output fields (``response_format`` and vLLM's ``guided_*`` / ``structured_outputs``)
+are read by ``structured.py``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..sampling_params import SamplingParams
 from .errors import bad_request
+from .tools import template_tool_calls
 
 MAX_N = 128  # choices per prompt, OpenAI's limit
 # Seeds seed torch's 64-bit generator, and choice i of a request uses seed + i: a signed 64-bit
@@ -54,6 +56,13 @@ class _GenerationFields(_Strict):
     stream_options: Optional[StreamOptions] = None
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
+    # Structured outputs (see structured.py): OpenAI's response_format and vLLM's extras.
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -150,6 +159,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None  # an assistant's calls (multi-turn tool use)
+    tool_call_id: Optional[str] = None  # a tool message's answer to that call
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         """``{"role", "content"}`` with text parts joined; other part types are rejected."""
@@ -165,6 +176,10 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = template_tool_calls(self.tool_calls, index)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -176,8 +191,9 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     echo: bool = False  # completions only: refused here
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None  # checked and resolved by tools.py
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     def check(self) -> None:
         self.check_common()
@@ -186,10 +202,6 @@ class ChatCompletionRequest(_GenerationFields):
             raise bad_request("messages must not be empty", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only the text response_format is supported", "response_format")
 
     @property
     def max_new_tokens(self) -> Optional[int]:

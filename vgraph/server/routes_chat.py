@@ -21,6 +21,7 @@ from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .state import ServerState, usage
 from .streaming import DONE, DeltaTracker, SSEResponse, sse
+from .tools import ChoiceTools, ToolSetup, tool_setup
 
 router = APIRouter()
 
@@ -31,9 +32,11 @@ async def create_chat_completion(request: Request) -> Response:
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
                                   body.field_names)
+    tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
+    params = await state.constrain(body, params, tools.constraint)
     messages = await state.chat_messages(body.messages, params.n)
-    text, ids = await state.encode_chat(messages, body.add_generation_prompt)
-    job = _Chat(state, body, model, params)
+    text, ids = await state.encode_chat(messages, body.add_generation_prompt, tools=tools.template_tools)
+    job = _Chat(state, body, model, params, tools)
     collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)], "messages")
     if body.stream:
         return SSEResponse(job.stream(collector))
@@ -43,11 +46,13 @@ async def create_chat_completion(request: Request) -> Response:
 
 class _Chat:
     def __init__(self, state: ServerState, body: ChatCompletionRequest, model: str,
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, tools: ToolSetup) -> None:
         self.state = state
         self.body = body
         self.model = model
         self.params = params
+        self.tools = tools
+        self.readers: dict[int, Optional[ChoiceTools]] = {}  # per streamed choice
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -62,10 +67,19 @@ class _Chat:
         return {"content": content}
 
     def response(self, output: RequestOutput) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, reason = self._message(c)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c, 0, len(c.token_ids)),
+                            "finish_reason": reason, "stop_reason": c.stop_reason})
         return {**self._envelope("chat.completion", choices), "usage": usage([output])}
+
+    def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], Optional[str]]:
+        """The assistant message (with tool_calls when tools are read) and the finish reason."""
+        reader = self.tools.choice_tools()
+        if reader is None:
+            return {"role": "assistant", "content": c.text}, c.finish_reason
+        return reader.message(c.text, c.finish_reason)
 
     async def stream(self, collector: OutputCollector) -> AsyncIterator[bytes]:
         trackers: dict[int, DeltaTracker] = {}
@@ -79,6 +93,7 @@ class _Chat:
                     for c in output.outputs:
                         if c.index not in trackers:
                             trackers[c.index] = DeltaTracker(self.params)
+                            self.readers[c.index] = self.tools.choice_tools()
                             role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}
                             yield sse({**self._envelope("chat.completion.chunk", [role]), **extra})
@@ -103,9 +118,15 @@ class _Chat:
         text = tracker.text_delta(c.text, finished)
         start, end = tracker.new_tokens(len(c.token_ids))
         logprobs = self._logprobs(c, start, end) if end > start else None
-        if not (text or logprobs or finished):
+        reader = self.readers.get(c.index)
+        if reader is None:
+            delta: dict[str, Any] = {"content": text} if text else {}
+            reason = c.finish_reason
+        else:  # tool calls: content and call deltas from the text sent so far
+            delta = reader.delta(c.text[:tracker.sent_chars], finished)
+            reason = reader.finish_reason(c.finish_reason)
+        if not (delta or logprobs or finished):
             return None
         tracker.finished = finished
-        delta = {"content": text} if text else {}
-        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+        return {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
                 "stop_reason": c.stop_reason if finished else None}

@@ -39,6 +39,7 @@ async def create_completion(request: Request) -> Response:
     params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
     if body.prompt_logprobs is not None:  # echo + logprobs: the prompt is scored in its prefill
         params = replace(params, prompt_logprobs=body.prompt_logprobs)
+    params = await state.constrain(body, params)
     inputs = await _engine_inputs(state, prompts, params.n)
     job = _Completion(state, body, model, params, len(prompts))
     collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])

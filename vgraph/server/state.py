@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional, Sequence
 
 from fastapi import Request
@@ -15,6 +15,7 @@ from ..engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyE
 from ..engine.inputs import PromptType
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured.params import StructuredOutputsParams
 from .body import read_request
 from .errors import APIError, bad_request, engine_gone, internal_error
 from .limits import Limits
@@ -22,6 +23,8 @@ from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, content_parts, param_from_message, template_messages
 from .streaming import DisconnectWatch
+from .structured import compile_or_400, requested_constraint
+from .tools import template_supports_tools
 from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")
@@ -82,6 +85,12 @@ class ServerSettings:
     max_stop_strings: int = field(default=64, metadata={"help": "stop strings one request may give"})
     max_stop_string_chars: int = field(default=1024, metadata={"help": "characters each stop string may have"})
     max_stop_token_ids: int = field(default=64, metadata={"help": "stop_token_ids one request may give"})
+    # Tool calling (tools.py, tool_parsers.py).
+    tool_call_parser: Optional[str] = field(default=None, metadata={
+        "help": "how to read tool calls from the model's replies for tool_choice auto: hermes "
+                "(Qwen2.5, Hermes: <tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it "
+                "tool_choice auto is refused (required and named calls need no parser)",
+        "choices": ["hermes", "llama3_json"]})
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -170,6 +179,27 @@ class ServerState:
         self.limits.check_stops(body.stop_strings, body.stop_token_ids)
         return body, model
 
+    async def constrain(self, body: Any, params: SamplingParams,
+                        forced: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """``params`` with the request's structured-output constraint, if it asks for one,
+        compiled first (off the event loop) so that an invalid one is a 400 naming it.
+        ``forced``: the constraint of tool_choice required / named, which excludes any other."""
+        found = requested_constraint(body)
+        if forced is not None:
+            if found is not None:
+                raise bad_request(f"{found[1]} cannot be combined with a required or named tool_choice",
+                                  found[1])
+            found = (forced, "tool_choice")
+        if found is None:
+            return params
+        spec, param = found
+        try:
+            constrained = replace(params, structured_outputs=spec)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
+        await compile_or_400(self.engine.grammar_compiler, spec, param)
+        return constrained
+
     async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
                      prompt_param: str = "prompt") -> OutputCollector:
         """Hands requests to the engine, mapping its refusals to HTTP errors."""
@@ -222,7 +252,8 @@ class ServerState:
         return template_messages(messages)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          limit_tokens: bool = True) -> tuple[str, list[int]]:
+                          limit_tokens: bool = True,
+                          tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
         """Renders the chat template (``--chat-template`` or the tokenizer's) and tokenizes it,
         within the character limit and, with ``limit_tokens``, the token limit (``/tokenize``
         reports any count)."""
@@ -232,7 +263,11 @@ class ServerState:
         if template is None and not getattr(self.engine.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; start the server with "
                               "--chat-template", "messages", code="no_chat_template")
-        text, ids = await self.tokenizer.render_chat(messages, template, add_generation_prompt)
+        if tools and not template_supports_tools(template or self.engine.tokenizer.chat_template):
+            raise bad_request("the chat template does not support tools (it never reads 'tools'); start the "
+                              "server with a --chat-template that does, or send no tools", "tools",
+                              code="tools_unsupported")
+        text, ids = await self.tokenizer.render_chat(messages, template, add_generation_prompt, tools)
         if limit_tokens:
             limits.check_tokens(len(ids), "the rendered messages", "messages")
         return text, ids

@@ -76,13 +76,14 @@ class ServerTokenizer:
         return await self.run(decode, len(ids), INLINE_TOKENS, "decode the tokens", param)
 
     async def render_chat(self, messages: list[dict[str, Any]], template: Optional[str],
-                          add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The chat template's text for ``messages`` and its token ids (no special tokens added:
-        the template writes them)."""
+                          add_generation_prompt: bool,
+                          tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+        """The chat template's text for ``messages`` (and ``tools``, for templates that take
+        them) and its token ids (no special tokens added: the template writes them)."""
         def render(tok: Any) -> tuple[str, list[int]]:
             try:
                 text = tok.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                               add_generation_prompt=add_generation_prompt)
+                                               add_generation_prompt=add_generation_prompt, tools=tools)
             except Exception as exc:  # template errors (raise_exception, bad roles) are the caller's
                 raise bad_request(f"the chat template failed on these messages: {exc}", "messages") from None
             return text, list(tok.encode(text, add_special_tokens=False))

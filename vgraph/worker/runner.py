@@ -27,6 +27,7 @@ from ..compiler.compiled_forward import MIN_TOKENS
 from ..compiler.counters import CompileCounters
 from ..config import CudaGraphMode, EngineConfig
 from ..core.scheduler import SchedulerOutput
+from ..structured.bitmask import fill_masks
 from ..models.loader import load_model
 from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
@@ -215,13 +216,15 @@ class ModelRunner:
         if not sched.scheduled:
             return StepResult({}, None)
         batch, decision = graphs.build(sched)
+        # Structured outputs' masks, on the host before the forward (on a GPU, while it runs).
+        masks = fill_masks([r.grammar for r in batch.sampled_requests], self.vocab_size)
         rows = graphs.run(batch, decision)
         prompt_logprobs = compute_prompt_logprobs(rows, sched, self.model.compute_logits)
         pooled = pooled_chunks(rows, sched) or None
         if not batch.sampled_requests:
             return StepResult({}, None, prompt_logprobs, pooled)
         logits = self.model.compute_logits(rows[batch.sample_indices])
-        meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device)
+        meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks)
         out = self.sampler(logits, meta)
         sampled = dict(zip((r.request_id for r in batch.sampled_requests), out.token_ids.tolist()))
         logprobs = None

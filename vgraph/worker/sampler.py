@@ -3,8 +3,12 @@
 The engine builds one ``SamplingMetadata`` per step from the scheduled requests; ``Sampler``
 then runs the whole batch through the same pipeline as vLLM:
 
+0. structured outputs: the rows with a grammar get their disallowed tokens set to -inf (one
+   batched op over those rows, ``structured.bitmask.apply_masks``), before everything else, so
+   penalties, temperature and truncation only ever choose among allowed tokens, greedy or not.
 1. logprobs, when any row asks for them, from ``log_softmax`` of the *raw* model logits
-   (before penalties, temperature and truncation). This matches vLLM's default
+   (before the grammar mask, penalties, temperature and truncation: a constrained row reports
+   what the model thought of the token, not the probability within the allowed set). This matches vLLM's default
    ``logprobs_mode="raw_logprobs"``: the numbers describe the model, not the sampling knobs,
    so they are comparable across requests with different settings.
 2. penalties on the logits: repetition (HF/vLLM: tokens seen in the prompt or the output have
@@ -30,6 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..core.request import Request
+from ..structured.bitmask import GrammarMasks, apply_masks
 
 
 def _pad_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
@@ -109,11 +114,17 @@ class SamplingMetadata:
     generators: list[Optional[torch.Generator]]  # per row; None = default RNG
     num_logprobs: list[Optional[int]]  # per row, as asked (None = no logprobs)
     max_num_logprobs: Optional[int]  # largest top-n asked in the batch; None if nobody asked
+    # Structured outputs: the constrained rows and their packed allowed-token masks; None when
+    # no row has a grammar.
+    grammar_rows: Optional[torch.Tensor] = None  # [G] int64
+    grammar_bitmask: Optional[torch.Tensor] = None  # [G, ceil(V / 32)] int32
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int,
-                      device: torch.device | str = "cpu") -> "SamplingMetadata":
-        """Gathers the batch's parameters into tensors on ``device``, one row per request."""
+                      device: torch.device | str = "cpu",
+                      masks: Optional[GrammarMasks] = None) -> "SamplingMetadata":
+        """Gathers the batch's parameters into tensors on ``device``, one row per request
+        (``masks``: the constrained rows' grammar masks, from ``structured.bitmask.fill_masks``)."""
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -150,7 +161,17 @@ class SamplingMetadata:
             generators=[None if g else r.generator for g, r in zip(greedy, requests)],
             num_logprobs=asked,
             max_num_logprobs=max((n for n in asked if n is not None), default=None),
+            grammar_rows=None if masks is None else _tensor(masks.rows, torch.int64, device),
+            grammar_bitmask=None if masks is None else _to_device(masks.bitmask, device),
         )
+
+
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _min_tokens_indices(requests: list[Request], vocab_size: int, device: torch.device | str
@@ -178,6 +199,13 @@ class SamplerOutput:
 
     token_ids: torch.Tensor  # [B] int64
     logprobs: Optional[list[Optional[dict[int, float]]]] = None
+
+
+def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Structured outputs: disallowed tokens of the constrained rows to -inf (a new tensor)."""
+    if md.grammar_rows is None or md.grammar_bitmask is None:
+        return logits
+    return apply_masks(logits, md.grammar_rows, md.grammar_bitmask)
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -291,7 +319,8 @@ class Sampler(torch.nn.Module):
         if logits.shape[-1] != md.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, metadata expects {md.vocab_size}")
         raw = logits
-        logits = apply_min_tokens(apply_penalties(logits.float(), md), md)
+        logits = apply_grammar(logits.float(), md)
+        logits = apply_min_tokens(apply_penalties(logits, md), md)
         token_ids = self._choose(logits, md)
         logprobs = None if md.max_num_logprobs is None else gather_logprobs(raw.float(), token_ids, md)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
