@@ -16,6 +16,9 @@ Retrain the shipped model (about 40 minutes on one CPU thread)::
     python examples/train_demo_model.py --out vgraph/models/demo_model
 
 Smoke test (seconds): ``python examples/train_demo_model.py --tiny --max-steps 3 --out /tmp/m``.
+The loss over the whole validation split of a saved checkpoint (what the README quotes)::
+
+    python examples/train_demo_model.py --eval-only --out vgraph/models/demo-model-v1
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import random
 import sys
 import sysconfig
 import time
@@ -189,6 +191,40 @@ def save_checkpoint(model: Any, tokenizer: Any, out: Path, info: dict[str, Any])
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 
 
+# ---------------------------------------------------------------- evaluation of a saved checkpoint
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+@torch.no_grad()
+def evaluate_checkpoint(out: Path, stdlib: Path, threads: int) -> dict[str, Any]:
+    """Loss over the whole validation split, in consecutive seq_len windows, of the checkpoint
+    as saved (fp16 weights widened to float32): the figure to quote, not the sampled one."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    trained = json.loads((out / "training.json").read_text(encoding="utf-8"))
+    seq_len, tiny = trained["config"]["seq_len"], trained["config"]["tiny"]
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    _, val_texts = split(read_texts(corpus_files(stdlib, tiny)))
+    stream = encode(tokenizer, val_texts)
+    total, count = 0.0, 0
+    for start in range(0, len(stream) - 1, seq_len):
+        window = stream[start:start + seq_len + 1][None]
+        if window.shape[1] < 2:
+            break
+        total += loss_of(model, window).item() * (window.shape[1] - 1)
+        count += window.shape[1] - 1
+    loss = total / count
+    return {"event": "eval-checkpoint", "val_tokens": count, "val_loss": round(loss, 4),
+            "val_perplexity": round(math.exp(loss), 2),
+            "bits_per_char": round(loss * count / math.log(2) / sum(map(len, val_texts)), 4)}
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -199,7 +235,6 @@ def log(record: dict[str, Any]) -> None:
 def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
     """Tokenizer, data, model, loop; writes the checkpoint to ``out`` at every eval and at the end."""
     torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     files = corpus_files(stdlib, cfg.tiny)
@@ -212,6 +247,7 @@ def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
         "train_files": len(train_texts), "val_files": len(val_texts), "train_chars": chars,
         "train_tokens": len(train_ids), "val_tokens": len(val_ids),
         "chars_per_token": round(chars / len(train_ids), 3), "torch": torch.__version__,
+        "transformers": _transformers_version(),
         "config": dataclasses.asdict(cfg)}
     log({"event": "data", "seconds": round(time.perf_counter() - start, 1), **info})
     model = build_model(cfg, tokenizer)
@@ -244,9 +280,11 @@ def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
     return info
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path]:
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path, bool]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (written at each eval)")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="evaluate the checkpoint in --out on the whole validation split; no training")
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                         help="the corpus root (default: this Python's standard library)")
     for f in dataclasses.fields(TrainConfig):
@@ -257,17 +295,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path]:
             kind = {"int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     args = vars(parser.parse_args(argv))
-    out, stdlib = args.pop("out"), args.pop("stdlib")
+    out, stdlib, eval_only = args.pop("out"), args.pop("stdlib"), args.pop("eval_only")
     cfg = TrainConfig(**args)
     if cfg.tiny:  # a toy model so the smoke test takes seconds; explicit flags still override sizes
         cfg = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, 512), hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                   seq_len=32, batch_size=2, eval_batches=1, warmup_steps=1)
-    return cfg, out, stdlib
+    return cfg, out, stdlib, eval_only
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, out, stdlib = parse_args(argv)
+    cfg, out, stdlib, eval_only = parse_args(argv)
+    if eval_only:
+        log(evaluate_checkpoint(out, stdlib, cfg.threads))
+        return
     info = train(cfg, out, stdlib)
     log({"event": "done", **{k: v for k, v in info.items() if k != "config"}})
 

@@ -9,6 +9,7 @@ import ast
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,16 @@ def test_fibonacci_completion_reads_as_python(demo_llm):
     ast.parse(complete)  # the whole lines it wrote are valid Python
 
 
+def test_readme_shows_the_completion_the_model_gives(demo_llm):
+    """The README's curl asks for it; the block under it is what comes back, prompt first."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    body = json.loads(re.search(r"-d '(\{[^']*def fibonacci[^']*\})'", readme).group(1))
+    shown = re.search(r"completion's `choices\[0\]\.text`[^\n]*:\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+    (out,) = demo_llm.generate([body["prompt"]], SamplingParams(temperature=body["temperature"],
+                                                                max_tokens=body["max_tokens"]), use_tqdm=False)
+    assert shown.rstrip() == (body["prompt"] + out.outputs[0].text).rstrip()
+
+
 def test_training_script_runs_end_to_end(tmp_path):
     """A few steps on a slice of the stdlib with a toy model; the result loads in both runtimes."""
     out = tmp_path / "model"
@@ -129,6 +140,11 @@ def test_training_script_runs_end_to_end(tmp_path):
     assert done["steps"] == 3 and math.isfinite(done["val_loss"]) and done["val_files"] >= 1
     assert done["python"] == sys.version.split()[0]
     assert json.loads((out / "training.json").read_text())["config"]["max_steps"] == 3
+    evaluated = subprocess.run([sys.executable, str(script), "--eval-only", "--out", str(out)], capture_output=True,
+                               text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert evaluated.returncode == 0, evaluated.stderr
+    whole = json.loads(evaluated.stdout)
+    assert whole["val_tokens"] > 0 and abs(whole["val_loss"] - done["val_loss"]) < 0.5, (whole, done)
     llm = LLM(str(out), enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.01)
     prompt = llm.get_tokenizer().encode("def f(x):")
     (gen,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8,

@@ -23,7 +23,7 @@ DEMO_MODEL_NAME = "demo-model-v1"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / DEMO_MODEL_NAME
 _DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                "tokenizer_config.json")
-TOKENIZER_VOCAB_SIZE = 512
+TOKENIZER_VOCAB_SIZE = 512  # the test tokenizer's (the shipped demo model has its own)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD) + ROLE_TOKENS  # ids 0..5, in this order
@@ -81,8 +81,8 @@ def train_tokenizer_json(texts: Iterable[str], vocab_size: int) -> str:
     """A byte-level BPE with the demo's special tokens (ids 0..5), trained on ``texts``.
 
     Shared by the test tokenizer below and examples/train_demo_model.py, so the shipped demo
-    model's tokenizer differs from the test one only in its merges. Deterministic for given
-    texts (the trainer breaks ties by pair, not by thread timing).
+    model's tokenizer differs from the test one only in its vocabulary and merges. The same
+    texts give the same tokenizer (tests check it for the test tokenizer).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
