@@ -11,9 +11,14 @@ seeds, one CPU thread by default. The result is an ordinary Hugging Face checkpo
 safetensors declaring float32, config, generation config, tokenizer) that transformers and
 vgraph both load.
 
-Retrain the shipped model (about 40 minutes on one CPU thread)::
+Retrain the shipped model: two stages, about 45 + 5 minutes on one CPU thread. The first
+samples windows anywhere; the second continues from it with half the windows starting at a
+line start, as a prompt does (``def fibonacci(n):`` then gets a function body, not a method's)::
 
-    python examples/train_demo_model.py --out vgraph/models/demo_model
+    python examples/train_demo_model.py --out /tmp/demo-stage1
+    python examples/train_demo_model.py --init-from /tmp/demo-stage1 --line-start-fraction 0.5 \\
+        --max-steps 200 --lr 5e-4 --warmup-steps 20 --eval-every 100 --seed 1 \\
+        --out vgraph/models/demo-model-v1
 
 Smoke test (seconds): ``python examples/train_demo_model.py --tiny --max-steps 3 --out /tmp/m``.
 The loss over the whole validation split of a saved checkpoint (what the README quotes)::
@@ -67,6 +72,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 250
     eval_batches: int = 16
+    line_start_fraction: float = 0.0
     threads: int = 1
     tiny: bool = False
 
@@ -114,12 +120,28 @@ def encode(tokenizer: Any, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def batches(stream: torch.Tensor, cfg: TrainConfig, seed: int) -> Iterator[torch.Tensor]:
-    """Endless random windows of seq_len + 1 tokens, from a seeded generator."""
+def line_starts(stream: torch.Tensor, tokenizer: Any) -> torch.Tensor:
+    """Positions whose token begins a line at column 0: right after a token ending in a newline
+    (whitespace before an indented line is a token of its own: "\\n   " then " def")."""
+    vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    newline = torch.tensor([t.endswith("\u010a") for t in vocab])  # byte-level BPE writes "\n" as U+010A
+    return torch.nonzero(newline[stream[:-1]]).flatten() + 1
+
+
+def batches(stream: torch.Tensor, cfg: TrainConfig, seed: int,
+            starts_at: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """Endless random windows of seq_len + 1 tokens, from a seeded generator. With
+    ``starts_at`` (line starts), a line_start_fraction of the windows begin at one of them:
+    a prompt begins a line, which a window starting mid-line never teaches (the first stage
+    alone indented the body of a prompt's top-level ``def`` like a method's)."""
     gen = torch.Generator().manual_seed(seed)
     high = len(stream) - cfg.seq_len - 1
+    pool = None if starts_at is None or cfg.line_start_fraction <= 0 else starts_at[starts_at < high]
     while True:
         starts = torch.randint(0, high, (cfg.batch_size,), generator=gen)
+        if pool is not None:
+            aligned = torch.rand(cfg.batch_size, generator=gen) < cfg.line_start_fraction
+            starts = torch.where(aligned, pool[torch.randint(0, len(pool), (cfg.batch_size,), generator=gen)], starts)
         yield torch.stack([stream[s:s + cfg.seq_len + 1] for s in starts.tolist()])
 
 
@@ -232,14 +254,18 @@ def log(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
 
-def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
-    """Tokenizer, data, model, loop; writes the checkpoint to ``out`` at every eval and at the end."""
+def train(cfg: TrainConfig, out: Path, stdlib: Path, init_from: Path | None = None) -> dict[str, Any]:
+    """Tokenizer, data, model, loop; writes the checkpoint to ``out`` at every eval and at the end.
+    ``init_from``: continue from that checkpoint (its tokenizer and weights; a fresh optimizer)."""
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     files = corpus_files(stdlib, cfg.tiny)
     train_texts, val_texts = split(read_texts(files))
-    tokenizer = tokenizer_from_json(train_tokenizer_json(train_texts, cfg.vocab_size))
+    if init_from is None:
+        tokenizer = tokenizer_from_json(train_tokenizer_json(train_texts, cfg.vocab_size))
+    else:
+        tokenizer = tokenizer_from_json((init_from / "tokenizer.json").read_text(encoding="utf-8"))
     train_ids, val_ids = encode(tokenizer, train_texts), encode(tokenizer, val_texts)
     chars = sum(map(len, train_texts))
     info: dict[str, Any] = {
@@ -250,11 +276,16 @@ def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
         "transformers": _transformers_version(),
         "config": dataclasses.asdict(cfg)}
     log({"event": "data", "seconds": round(time.perf_counter() - start, 1), **info})
-    model = build_model(cfg, tokenizer)
+    if init_from is None:
+        model = build_model(cfg, tokenizer)
+    else:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(init_from, dtype=torch.float32)
+        info["init_from"] = json.loads((init_from / "training.json").read_text(encoding="utf-8"))
     info["parameters"] = sum(p.numel() for p in model.parameters())
     log({"event": "model", "parameters": info["parameters"]})
     optimizer = make_optimizer(model, cfg)
-    stream = batches(train_ids, cfg, seed=cfg.seed)
+    stream = batches(train_ids, cfg, seed=cfg.seed, starts_at=line_starts(train_ids, tokenizer))
     t0 = time.perf_counter()
     for step in range(cfg.max_steps):
         for group in optimizer.param_groups:
@@ -280,9 +311,11 @@ def train(cfg: TrainConfig, out: Path, stdlib: Path) -> dict[str, Any]:
     return info
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path, bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path, bool, Path | None]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (written at each eval)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="continue training this checkpoint (its tokenizer and weights; model sizes ignored)")
     parser.add_argument("--eval-only", action="store_true",
                         help="evaluate the checkpoint in --out on the whole validation split; no training")
     parser.add_argument("--stdlib", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
@@ -295,21 +328,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, Path, Path, 
             kind = {"int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=f.default)
     args = vars(parser.parse_args(argv))
-    out, stdlib, eval_only = args.pop("out"), args.pop("stdlib"), args.pop("eval_only")
+    out, stdlib, eval_only, init_from = args.pop("out"), args.pop("stdlib"), args.pop("eval_only"), args.pop("init_from")
     cfg = TrainConfig(**args)
     if cfg.tiny:  # a toy model so the smoke test takes seconds; explicit flags still override sizes
         cfg = dataclasses.replace(cfg, vocab_size=min(cfg.vocab_size, 512), hidden_size=32, intermediate_size=64,
                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                   seq_len=32, batch_size=2, eval_batches=1, warmup_steps=1)
-    return cfg, out, stdlib, eval_only
+    return cfg, out, stdlib, eval_only, init_from
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, out, stdlib, eval_only = parse_args(argv)
+    cfg, out, stdlib, eval_only, init_from = parse_args(argv)
     if eval_only:
         log(evaluate_checkpoint(out, stdlib, cfg.threads))
         return
-    info = train(cfg, out, stdlib)
+    info = train(cfg, out, stdlib, init_from)
     log({"event": "done", **{k: v for k, v in info.items() if k != "config"}})
 
 

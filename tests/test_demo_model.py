@@ -145,6 +145,14 @@ def test_training_script_runs_end_to_end(tmp_path):
     assert evaluated.returncode == 0, evaluated.stderr
     whole = json.loads(evaluated.stdout)
     assert whole["val_tokens"] > 0 and abs(whole["val_loss"] - done["val_loss"]) < 0.5, (whole, done)
+    second = tmp_path / "second-stage"
+    continued = subprocess.run([sys.executable, str(script), "--tiny", "--max-steps", "2", "--init-from", str(out),
+                                "--line-start-fraction", "0.5", "--out", str(second)], capture_output=True, text=True,
+                               timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert continued.returncode == 0, continued.stderr
+    record = json.loads((second / "training.json").read_text())
+    assert record["init_from"]["steps"] == 3 and record["steps"] == 2
+    assert (second / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text(), "the tokenizer is kept"
     llm = LLM(str(out), enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.01)
     prompt = llm.get_tokenizer().encode("def f(x):")
     (gen,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=8,
