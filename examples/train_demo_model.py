@@ -45,7 +45,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from vgraph.models.demo import (  # noqa: E402
-    _quiet_progress_bars, save_tokenizer_files, tokenizer_from_json, train_tokenizer_json)
+    quiet_progress_bars, save_tokenizer_files, tokenizer_from_json, train_tokenizer_json)
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "lib2to3"}
 MAX_FILE_BYTES = 200_000  # larger .py files in the stdlib are generated tables (pydoc topics...)
@@ -205,7 +205,7 @@ def save_checkpoint(model: Any, tokenizer: Any, out: Path, info: dict[str, Any])
     from safetensors.torch import load_file, save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(out)  # fp32, so config.json declares float32
     weights = out / "model.safetensors"
     save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})

@@ -22,7 +22,7 @@ import torch
 DEMO_MODEL_NAME = "demo-model-v1"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / DEMO_MODEL_NAME
 _DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json")
+               "tokenizer_config.json", "chat_template.jinja")
 TOKENIZER_VOCAB_SIZE = 512  # the test tokenizer's (the shipped demo model has its own)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -176,7 +176,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
+def quiet_progress_bars() -> Iterator[None]:
     """No "Writing model shards" bar for a checkpoint that takes milliseconds to write."""
     from transformers.utils import logging as hf_logging
 
@@ -205,7 +205,7 @@ def build_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: in
     tokenizer = build_tokenizer()
     model = random_model(arch, tokenizer, seed, config_overrides).to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(out, **save_kwargs)
     save_tokenizer_files(out, tokenizer)
     return str(out)
