@@ -26,7 +26,7 @@ DESCRIPTION = (
     "the CUDA path on this machine. serve, generate and compile take a model (a local Hugging Face "
     "directory or a hub id) and run the built-in demo model without one. 'vgraph COMMAND --help' "
     "lists a command's options.")
-EPILOG = ("environment: VGRAPH_CACHE_DIR (compile cache and demo model; default ~/.cache/vgraph), "
+EPILOG = ("environment: VGRAPH_CACHE_DIR (compile cache; default ~/.cache/vgraph), "
           "VGRAPH_LOGGING_LEVEL (default level of --log-level), VGRAPH_API_KEY (serve's --api-key)")
 LOG_LEVELS = list(logging_setup.LEVELS)
 
@@ -268,10 +268,10 @@ def _model_path(args: argparse.Namespace) -> str:
     if args.model:
         _check_model(args.model)
         return args.model
-    from vgraph.models.demo import ensure_demo_model
-    from vgraph.paths import cache_dir
-    logging.getLogger("vgraph").warning("no --model given: using the built-in demo model (untrained weights)")
-    return str(ensure_demo_model(cache_dir()))
+    from vgraph.models.demo import demo_model_dir
+    logging.getLogger("vgraph").warning("no --model given: using the built-in demo model "
+                                        "(a small Llama that writes Python; not a chat assistant)")
+    return demo_model_dir()
 
 
 def _llm_from_args(args: argparse.Namespace, kwargs: Optional[dict[str, Any]] = None):

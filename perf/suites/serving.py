@@ -12,8 +12,8 @@ speaks plain HTTP with ``httpx``, timestamping each SSE event as it arrives.
 Every request: a streaming ``/v1/completions`` with a distinct prompt of ~48 tokens (so the
 prefix cache does not shortcut prefills), greedy, ``ignore_eos``, a fixed number of new tokens.
 Requests ask for ``logprobs: 0``: every generated token is then reported in some event even when
-it completes no printable character (the untrained demo model produces many partial UTF-8
-sequences), so events map to tokens.
+it completes no printable character (a byte-level model can emit partial UTF-8 sequences),
+so events map to tokens.
 
 Two workloads per server:
 - closed loop at concurrency C in ``CONCURRENCY``: C workers send requests back to back until

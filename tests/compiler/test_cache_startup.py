@@ -25,7 +25,6 @@ from vgraph.compiler import captured_graph as captured
 from vgraph.compiler.cache import ArtifactTag, CompileCache, unpack_artifact
 from vgraph.compiler.captured_graph import STATE, InputSource
 from vgraph.config import ModelConfig
-from vgraph.models.demo import DEMO_MODEL_NAME, ensure_demo_model
 from vgraph.models.linear import PackedLinear
 from vgraph.models.loader import load_model
 from vgraph.ops.linear import ENV_SWITCH
@@ -262,14 +261,6 @@ def test_an_unusable_cache_root_compiles_in_memory_with_one_warning(packed, tmp_
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "not writable" in warnings[0], warnings
     assert run["counters"].cache_saves == 0 and run["tokens"] == packed["tokens"]
-
-
-def test_the_demo_model_is_built_in_a_temporary_directory_when_the_root_is_a_file(tmp_path, caplog):
-    root = _file_root(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="vgraph"):
-        path = Path(ensure_demo_model(root))
-    assert path.name == DEMO_MODEL_NAME and (path / "config.json").is_file()
-    assert root not in path.parents and "cannot write the demo model" in caplog.text
 
 
 # --- issue 18: damaged entries, checkpoints elsewhere, graph dumps ------------------------------

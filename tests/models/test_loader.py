@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -161,12 +160,12 @@ def test_tiny_checkpoints_are_deterministic(tmp_path) -> None:
     assert (other / "model.safetensors").read_bytes() != (first / "model.safetensors").read_bytes()
 
 
-def test_ensure_demo_model_builds_once_then_reuses(tmp_path) -> None:
-    path = demo.ensure_demo_model(tmp_path)
-    assert path == str(tmp_path / demo.DEMO_MODEL_NAME)
-    stamp = os.stat(Path(path) / "model.safetensors").st_mtime_ns
-    assert demo.ensure_demo_model(tmp_path) == path
-    assert os.stat(Path(path) / "model.safetensors").st_mtime_ns == stamp
-    assert os.listdir(tmp_path) == [demo.DEMO_MODEL_NAME]  # no temp dirs left behind
+def test_the_shipped_demo_model_loads_its_half_weights_as_float32() -> None:
+    """Stored fp16, declared float32: the default dtype widens every weight exactly."""
+    path = demo.demo_model_dir()
     model, hf_config, _ = _load(path)
     assert hf_config.architectures == ["LlamaForCausalLM"]
+    weights = dict(iterate_weights(path))
+    embed = model.model.embed_tokens.weight
+    assert embed.dtype == torch.float32 and weights["model.embed_tokens.weight"].dtype == torch.float16
+    assert torch.equal(embed, weights["model.embed_tokens.weight"].float())

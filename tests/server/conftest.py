@@ -1,7 +1,7 @@
 """A real ``vgraph serve`` process on 127.0.0.1 and a free port, and clients for it.
 
-The servers run the demo model from the session's compile cache ($VGRAPH_CACHE_DIR, set by
-tests/conftest.py), so the demo checkpoint is built once for every server of the session.
+The servers run the demo model (shipped in the package) with the session's compile cache
+($VGRAPH_CACHE_DIR, set by tests/conftest.py), so compiled servers compile it once per session.
 One eager server is shared by the modules that only need a well-behaved server; modules that
 need other flags (auth, queue limits, the compiled default, fault injection) start their own.
 """

@@ -25,12 +25,12 @@ from typing import Any, Optional
 
 from hypothesis import strategies as st
 
-from vgraph.models.demo import DEMO_MODEL_NAME, TOKENIZER_VOCAB_SIZE
+from vgraph.models.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from vgraph.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 
 MODEL = DEMO_MODEL_NAME
-VOCAB = TOKENIZER_VOCAB_SIZE
+VOCAB = json.loads((DEMO_MODEL_DIR / "config.json").read_text(encoding="utf-8"))["vocab_size"]
 MAX_NEW = 4  # new tokens in a well-formed request
 
 

@@ -9,15 +9,14 @@ import pytest
 from vgraph import LLM, SamplingParams
 from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, RequestTooLargeError
 from vgraph.engine.stats import StepOutput
-from vgraph.models.demo import ensure_demo_model
-from vgraph.paths import cache_dir
+from vgraph.models.demo import DEMO_MODEL_NAME
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(ensure_demo_model(cache_dir()), enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02,
+    return LLM(DEMO_MODEL_NAME, enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02,
                max_num_seqs=8)
 
 

@@ -22,7 +22,7 @@ class LLM:
     def __init__(self, model: str, *, compile_config: Optional[CompileConfig] = None,
                  enforce_eager: bool = False, **kwargs: Any) -> None:
         """``model``: a local HF model directory, a hub id, or ``"demo-model-v1"``, the built-in
-        demo model (built under ``$VGRAPH_CACHE_DIR`` on first use, never fetched).
+        demo model (shipped inside the package, never fetched).
 
         Every other keyword is a field of one of the config dataclasses in ``vgraph.config``,
         with the default written there (and nowhere else): ``ModelConfig`` (dtype,

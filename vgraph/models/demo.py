@@ -1,30 +1,29 @@
-"""The built-in demo model, and the tiny random-weight checkpoints it is made like.
+"""The built-in demo model, and the tiny random-weight checkpoints the tests are built from.
 
-Each checkpoint is written by transformers' own model classes (so transformers can serve as
-the numerical oracle on exactly the same files) together with a small byte-level BPE
-tokenizer trained here on an embedded English corpus. Everything is deterministic for a
-given seed, so files built twice are identical and caches keyed on them stay valid.
+The demo model (``demo-model-v1``) is a small Llama trained on the Python standard library's
+source by examples/train_demo_model.py; its files ship inside the package (``demo-model-v1/``
+next to this module), so it runs with nothing downloaded or built. The test checkpoints are
+written by transformers' own model classes (so transformers can serve as the numerical oracle
+on exactly the same files) with random weights and a small byte-level BPE tokenizer trained
+here on an embedded English corpus. Both tokenizers share the special tokens and the chat
+template. Everything is deterministic for a given seed, so files built twice are identical
+and caches keyed on them stay valid.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
-import shutil
-import tempfile
-import unicodedata
-import uuid
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
 DEMO_MODEL_NAME = "demo-model-v1"
-# Bumped whenever the demo checkpoint's files change: a copy an older vgraph built under the
-# cache dir is then rebuilt instead of reused (2: unreadable tokens suppressed).
-DEMO_BUILD = "2"
-_BUILD_FILE = "vgraph-demo-build.txt"
-TOKENIZER_VOCAB_SIZE = 512
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / DEMO_MODEL_NAME
+_DEMO_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "chat_template.jinja")
+TOKENIZER_VOCAB_SIZE = 512  # the test tokenizer's (the shipped demo model has its own)
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD) + ROLE_TOKENS  # ids 0..5, in this order
@@ -78,32 +77,47 @@ Thank you for your help. You are welcome. Have a nice day, and good luck with yo
 """
 
 
-@functools.lru_cache(maxsize=None)
-def _tokenizer_json() -> str:
-    """Trains the byte-level BPE once per process; the JSON string is immutable and shareable."""
+def train_tokenizer_json(texts: Iterable[str], vocab_size: int) -> str:
+    """A byte-level BPE with the demo's special tokens (ids 0..5), trained on ``texts``.
+
+    Shared by the test tokenizer below and examples/train_demo_model.py, so the shipped demo
+    model's tokenizer differs from the test one only in its vocabulary and merges. The same
+    texts give the same tokenizer (tests check it for the test tokenizer).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_SIZE,
-                                  special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok.to_str()
 
 
-def build_tokenizer() -> Any:
-    """The demo tokenizer as a PreTrainedTokenizerFast (bos/eos/pad, role tokens, chat template)."""
+def tokenizer_from_json(tokenizer_json: str) -> Any:
+    """A PreTrainedTokenizerFast over ``tokenizer_json`` with bos/eos/pad, the role tokens and
+    the chat template."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json()), bos_token=BOS, eos_token=EOS,
+        tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS,
         pad_token=PAD, additional_special_tokens=list(ROLE_TOKENS),
         chat_template=CHAT_TEMPLATE, model_max_length=4096)
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json() -> str:
+    """Trains the test BPE once per process; the JSON string is immutable and shareable."""
+    return train_tokenizer_json(_CORPUS.splitlines(), TOKENIZER_VOCAB_SIZE)
+
+
+def build_tokenizer() -> Any:
+    """The tiny test checkpoints' tokenizer (512 tokens, trained on the embedded corpus)."""
+    return tokenizer_from_json(_tokenizer_json())
 
 
 def _rope_kwargs(rope: dict[str, Any]) -> dict[str, Any]:
@@ -162,7 +176,7 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
+def quiet_progress_bars() -> Iterator[None]:
     """No "Writing model shards" bar for a checkpoint that takes milliseconds to write."""
     from transformers.utils import logging as hf_logging
 
@@ -191,7 +205,7 @@ def build_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: in
     tokenizer = build_tokenizer()
     model = random_model(arch, tokenizer, seed, config_overrides).to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    with _quiet_progress_bars():
+    with quiet_progress_bars():
         model.save_pretrained(out, **save_kwargs)
     save_tokenizer_files(out, tokenizer)
     return str(out)
@@ -215,107 +229,24 @@ def save_tokenizer_files(out: Path, tokenizer: Any) -> None:
     tokenizer.save_pretrained(out)
 
 
-def build_demo_checkpoint(path: str | os.PathLike) -> str:
-    """The demo model's files: the tiny seed-0 Llama, made to write only readable text
-    (``_suppress_unreadable_tokens``), plus a file naming its build. Returns the directory."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    model = random_model("llama", tokenizer, 0, {})
-    _suppress_unreadable_tokens(model, unreadable_token_ids(tokenizer))
-    with _quiet_progress_bars():
-        model.save_pretrained(out)
-    save_tokenizer_files(out, tokenizer)
-    (out / _BUILD_FILE).write_text(DEMO_BUILD + "\n", encoding="utf-8")
-    return str(out)
+def demo_model_dir() -> str:
+    """The shipped demo checkpoint's directory (package data), checked to be complete.
 
-
-def unreadable_token_ids(tokenizer: Any) -> list[int]:
-    """Tokens whose text alone is not readable: a control character (newline and tab aside)
-    or bytes that are not a whole UTF-8 character (decoded as U+FFFD). In the demo vocabulary
-    these are single bytes of the byte-level alphabet; special tokens are left alone."""
-    special = set(tokenizer.all_special_ids)
-    return [i for i in range(len(tokenizer)) if i not in special and not _readable(
-        tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False))]
-
-
-def _readable(text: str) -> bool:
-    return "\ufffd" not in text and all(c in "\n\t" or unicodedata.category(c) != "Cc" for c in text)
-
-
-@torch.no_grad()
-def _suppress_unreadable_tokens(model: Any, token_ids: list[int], margin: float = 100.0) -> None:
-    """Gives ``token_ids`` a logit far below every other token's at every position.
-
-    Why: untrained, the model samples its 512 tokens almost uniformly, and about 160 of them
-    are single bytes that are not text by themselves (control bytes, pieces of multi-byte
-    characters that random sampling never completes): its output was full of \\x00..\\x1f
-    and U+FFFD. How: residual dimension 0 is held constant (1.0 in every embedding, and no
-    layer writes it: row 0 of each o_proj and down_proj is zero), so after the final norm it
-    is positive (about 1) at every position; each suppressed token's lm_head row is
-    ``-margin`` there and 0 elsewhere, a logit near -100 where the others lie within a few
-    units of 0. A plain Llama checkpoint still, so transformers runs it unchanged.
+    Why a check: a vgraph installed without its package data (a hand-made wheel, a copied
+    tree) would otherwise fail later with a loader error about some file in site-packages.
     """
-    inner = model.model
-    inner.embed_tokens.weight[:, 0] = 1.0
-    for layer in inner.layers:
-        layer.self_attn.o_proj.weight[0] = 0.0
-        layer.mlp.down_proj.weight[0] = 0.0
-    inner.norm.weight[0] = 1.0
-    model.lm_head.weight[token_ids] = 0.0
-    model.lm_head.weight[token_ids, 0] = -margin
+    missing = [name for name in _DEMO_FILES if not (DEMO_MODEL_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the built-in demo model at {DEMO_MODEL_DIR} lacks {', '.join(missing)}: "
+                                "this vgraph was installed without its package data; reinstall it")
+    return str(DEMO_MODEL_DIR)
 
 
 def demo_model_path(name: str) -> Optional[str]:
-    """The built-in demo model's directory (built on first use) when ``name`` is its name,
-    ``demo-model-v1``, and no local directory of that name exists; None for any other name.
-    Lets ``LLM("demo-model-v1")`` and ``--model demo-model-v1`` run it, as the server serves
-    it under that name, instead of looking the name up on the Hugging Face Hub."""
+    """The built-in demo model's directory when ``name`` is its name, ``demo-model-v1``, and no
+    local directory of that name exists; None for any other name. Lets ``LLM("demo-model-v1")``
+    and ``--model demo-model-v1`` run it, as the server serves it under that name, instead of
+    looking the name up on the Hugging Face Hub."""
     if name != DEMO_MODEL_NAME or os.path.isdir(name):
         return None
-    from ..paths import cache_dir
-    return ensure_demo_model(cache_dir())
-
-
-def _is_current(target: Path) -> bool:
-    build = target / _BUILD_FILE
-    return build.is_file() and build.read_text(encoding="utf-8").strip() == DEMO_BUILD
-
-
-def ensure_demo_model(cache_dir: str | os.PathLike) -> str:
-    """``<cache_dir>/demo-model-v1``, built on first use and reused after (rebuilt when an
-    older vgraph built it: see ``DEMO_BUILD``).
-
-    Built in a temporary sibling directory and renamed into place, so a crash never leaves a
-    half-written model and concurrent first users end up with one complete copy.
-    """
-    cache = Path(cache_dir)
-    target = cache / DEMO_MODEL_NAME
-    if _is_current(target):
-        return str(target)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=cache))
-    except OSError as exc:  # read-only, full, or a file in the way: built for this process only
-        from ..paths import private_dir
-        return build_demo_checkpoint(private_dir("the demo model", cache, exc) / DEMO_MODEL_NAME)
-    try:
-        build_demo_checkpoint(tmp)
-        _replace_stale(target, cache)
-        os.rename(tmp, target)
-    except OSError:
-        if not _is_current(target):  # lost a race only if the winner finished
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-def _replace_stale(target: Path, cache: Path) -> None:
-    """Moves an out-of-date build aside (then deletes it), so the new one can be renamed in."""
-    if not target.exists() or _is_current(target):
-        return
-    stale = cache / f".{DEMO_MODEL_NAME}-stale-{uuid.uuid4().hex[:8]}"
-    with contextlib.suppress(FileNotFoundError):  # another process moved it first
-        os.rename(target, stale)
-    shutil.rmtree(stale, ignore_errors=True)
+    return demo_model_dir()
