@@ -328,6 +328,8 @@ def _flag_value(option: argparse.Action, field: dataclasses.Field) -> tuple[list
     flag = option.option_strings[0]
     if option.nargs == 0:  # a boolean: the flag flips it
         return [flag], option.const if option.const is not None else not field.default
+    if option.choices:  # a choice: the last one (a flag's default is never the only choice)
+        return [flag, str(option.choices[-1])], option.choices[-1]
     converted = {int: 7, float: 2.5}.get(option.type)
     if converted is None:
         pytest.skip(f"{field.name}: no sample value for type {option.type}")
