@@ -139,6 +139,19 @@ def partial_call(text: str, start: int, args_keys: tuple[str, ...]) -> tuple[Par
     return call, end
 
 
+def read_calls(text: str, pos: int, args_keys: tuple[str, ...], separator: str, plan: "Plan") -> None:
+    """Appends to ``plan`` the JSON calls from ``pos`` on, ``separator`` between them, the last
+    possibly still being written: the one reading both parsers' lists and the required list."""
+    while pos < len(text) and text[pos] == "{":
+        call, end = partial_call(text, pos, args_keys)
+        plan.calls.append(call)
+        if end is None:
+            return
+        pos = skip_ws(text, end)
+        if pos < len(text) and text[pos] == separator:
+            pos = skip_ws(text, pos + 1)
+
+
 def complete_call(obj_text: str, args_keys: tuple[str, ...]) -> Optional[ToolCall]:
     """A finished call from the text of one JSON object, or None when it is malformed."""
     try:
@@ -289,14 +302,7 @@ class Llama3JsonToolParser(ToolParser):
         if not text.startswith("{", pos) or (finished and not self.parse(text)[1]):
             return Plan(content=text)
         plan = Plan()
-        while pos < len(text) and text[pos] == "{":
-            call, end = partial_call(text, pos, self.ARGS)
-            plan.calls.append(call)
-            if end is None:
-                break
-            pos = skip_ws(text, end)
-            if pos < len(text) and text[pos] == ";":
-                pos = skip_ws(text, pos + 1)
+        read_calls(text, pos, self.ARGS, ";", plan)
         return plan
 
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from ..structured.params import StructuredOutputsParams
 from .errors import bad_request
-from .tool_parsers import CallDelta, Plan, PartialCall, ToolCall, ToolParser, skip_ws, get_parser, partial_call
+from .tool_parsers import CallDelta, Plan, PartialCall, ToolCall, ToolParser, get_parser, read_calls, skip_ws
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _ANY_OBJECT = {"type": "object"}
@@ -182,15 +182,7 @@ class RequiredCalls(ToolParser):
         pos = skip_ws(text, 0)
         if not text.startswith("[", pos):
             return plan
-        pos = skip_ws(text, pos + 1)
-        while pos < len(text) and text[pos] == "{":
-            call, end = partial_call(text, pos, self.ARGS)
-            plan.calls.append(call)
-            if end is None:
-                break
-            pos = skip_ws(text, end)
-            if pos < len(text) and text[pos] == ",":
-                pos = skip_ws(text, pos + 1)
+        read_calls(text, skip_ws(text, pos + 1), self.ARGS, ",", plan)
         return plan
 
 
