@@ -1,6 +1,7 @@
 """Prompt normalization and the checks that keep bad input away from the engine."""
 from __future__ import annotations
 
+import re
 from typing import Any, Optional, Union
 
 from ..sampling_params import SamplingParams
@@ -57,3 +58,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
     from dataclasses import replace
     return replace(params, max_tokens=max_tokens)
+
+
+def template_supports_tools(template: Optional[str]) -> bool:
+    """Whether a chat template reads ``tools`` (one that does not would silently drop them)."""
+    return bool(template) and re.search(r"\btools\b", template) is not None

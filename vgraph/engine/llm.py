@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from ..config import CompileConfig, EngineConfig
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from .inputs import PromptType
+from .inputs import PromptType, template_supports_tools
 from .llm_engine import LLMEngine
 from .outputs import EmbeddingRequestOutput, RequestOutput
 
@@ -77,20 +77,29 @@ class LLM:
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
              chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template (or ``chat_template``) to each conversation."""
+             use_tqdm: bool = True, tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template (or ``chat_template``) to each conversation.
+
+        ``tools`` (OpenAI's function-tool shape) are rendered by the template, as the server
+        does; the reply is returned as text (reading tool calls out of it is the server's
+        ``--tool-call-parser``; a ``structured_outputs`` JSON schema can enforce a call)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.encode_chat(c, chat_template, add_generation_prompt)}
+        prompts = [{"prompt_token_ids": self.encode_chat(c, chat_template, add_generation_prompt, tools)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def encode_chat(self, conversation: Conversation, chat_template: Optional[str] = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True,
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         tok = self.engine.tokenizer
-        if chat_template is None and not getattr(tok, "chat_template", None):
+        template = chat_template or getattr(tok, "chat_template", None)
+        if not template:
             raise ValueError("the tokenizer has no chat template; pass chat_template=")
+        if tools and not template_supports_tools(template):
+            raise ValueError("tools: the chat template never reads 'tools', so they would be dropped; "
+                             "pass a chat_template that supports tools")
         text = tok.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, tools=tools or None)
         return list(tok.encode(text, add_special_tokens=False))
 
     @staticmethod

@@ -24,7 +24,7 @@ from .metrics import ServerMetrics
 from .protocol import ChatMessage, content_parts, param_from_message, template_messages
 from .streaming import DisconnectWatch
 from .structured import compile_or_400, requested_constraint
-from .tools import template_supports_tools
+from ..engine.inputs import template_supports_tools
 from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")

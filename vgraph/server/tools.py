@@ -147,11 +147,6 @@ def template_tool_calls(tool_calls: list[Any], index: int) -> list[dict[str, Any
     return out
 
 
-def template_supports_tools(template: Optional[str]) -> bool:
-    """Whether a chat template reads ``tools`` (one that does not would silently drop them)."""
-    return bool(template) and re.search(r"\btools\b", template) is not None
-
-
 # ----------------------------------------------------------------------------- forced replies
 
 
