@@ -1,6 +1,8 @@
 """The small routes, and /metrics counting exactly the traffic that was sent."""
 from __future__ import annotations
 
+import threading
+
 import httpx
 
 import vgraph
@@ -66,3 +68,32 @@ def test_metrics_count_what_was_sent(server, client, model):
     assert delta("vgraph:inter_token_latency_seconds_count") == 15 + 3 + 5
     assert delta("vgraph:prefix_cache_queries_total") > 0
     assert after["vgraph:kv_cache_usage_perc"] == 0 and after["vgraph:num_requests_running"] == 0
+
+
+ROUTER_GAUGES = {"vllm:num_requests_waiting": "vgraph:num_requests_waiting",
+                 "vllm:num_requests_running": "vgraph:num_requests_running",
+                 "vllm:kv_cache_usage_perc": "vgraph:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc": "vgraph:kv_cache_usage_perc"}
+
+
+def test_router_gauges_mirror_vgraphs_own_while_requests_run(server, model):
+    """Load-aware routers (the Gateway API Inference Extension's endpoint picker) read vLLM's
+    gauge names: they carry vgraph's values, sampled in the same scrape, busy and idle."""
+    def busy() -> None:
+        server.post("/v1/completions", {"model": model, "prompt": "Load", "max_tokens": 48,
+                                        "ignore_eos": True, "n": 4})
+
+    workers = [threading.Thread(target=busy) for _ in range(3)]
+    for w in workers:
+        w.start()
+    seen_busy = False
+    while any(w.is_alive() for w in workers):
+        m = server.metrics()
+        for router_name, own in ROUTER_GAUGES.items():
+            assert m[router_name] == m[own], router_name
+        seen_busy |= m["vllm:num_requests_running"] > 0 and m["vllm:kv_cache_usage_perc"] > 0
+    for w in workers:
+        w.join()
+    assert seen_busy, "a scrape saw the requests running and their KV blocks"
+    idle = server.wait_idle()
+    assert all(idle[name] == 0 for name in ROUTER_GAUGES)

@@ -8,6 +8,12 @@ Two kinds of series, fed two ways:
 - per-request series (token counters, successes by finish reason, latency histograms) are
   updated from the ``RequestTiming``s of each engine step's ``StepOutput``.
 
+The three state gauges are also exported under the names load-aware routers scrape from
+vLLM-compatible model servers (the Kubernetes Gateway API Inference Extension's endpoint picker:
+``vllm:num_requests_waiting`` for its queue depth, ``vllm:kv_cache_usage_perc`` and the older
+``vllm:gpu_cache_usage_perc`` for KV-cache pressure, ``vllm:num_requests_running``), so such a
+router balances ``vgraph serve`` replicas with no per-runtime configuration.
+
 Each server gets its own ``CollectorRegistry``, so several apps in one process (tests) do not
 collide in the global registry.
 """
@@ -31,6 +37,18 @@ _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.
                     60.0, 120.0, 240.0, 480.0, 960.0)
 
 
+def _state_gauges(s: EngineStats) -> list[tuple[str, str, float]]:
+    """vgraph's state gauges, then the same values under the router-facing vLLM names."""
+    own = [("num_requests_running", "Requests in the running batch.", s.num_running),
+           ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+           ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", s.kv_usage)]
+    router = [*own, ("gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1); the "
+                     "older name routers read.", s.kv_usage)]
+    return ([(f"vgraph:{name}", doc, value) for name, doc, value in own]
+            + [(f"vllm:{name}", f"{doc} Same as vgraph's; for load-aware routers.", value)
+               for name, doc, value in router])
+
+
 class _EngineStateCollector(Collector):
     """Gauges and engine-side counters from the newest stats snapshot."""
 
@@ -41,10 +59,7 @@ class _EngineStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
         labels, values = ["model_name"], [self._model]
-        for name, doc, value in (
-                ("vgraph:num_requests_running", "Requests in the running batch.", s.num_running),
-                ("vgraph:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-                ("vgraph:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", s.kv_usage)):
+        for name, doc, value in _state_gauges(s):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric(values, float(value))
             yield gauge
