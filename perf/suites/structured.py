@@ -143,9 +143,9 @@ def mask_costs(engine: Any, size: int, reps: int) -> dict[str, float]:
 def compile_costs(engine: Any) -> dict[str, float]:
     """A fresh compiler: its tokenizer build, each kind's cold compile, a cached lookup (ms)."""
     from vgraph.structured import StructuredOutputsParams as S
-    from vgraph.structured.compiler import GrammarCompiler, tokenizer_json
+    from vgraph.structured.compiler import GrammarCompiler
 
-    compiler = GrammarCompiler(tokenizer_json(engine.tokenizer), engine.vocab_size, sorted(engine.eos_token_ids))
+    compiler = GrammarCompiler(engine.tokenizer, engine.vocab_size, sorted(engine.eos_token_ids))
     t0 = time.perf_counter()
     compiler.ll_tokenizer()
     out = {"tokenizer_build_ms": (time.perf_counter() - t0) * 1e3}

@@ -232,6 +232,6 @@ def test_missing_llguidance_is_a_clear_error(monkeypatch):
     from vgraph.structured.compiler import GrammarCompiler
 
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance raises ImportError
-    compiler = GrammarCompiler("{}", 512, [1])
+    compiler = GrammarCompiler(None, 512, [1])
     with pytest.raises(ValueError, match="pip install llguidance"):
         compiler.compile(S(regex="a+"))

@@ -17,7 +17,7 @@ from ..models.quantization import resolve_quantization
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..worker.pooling import PoolingState
-from ..structured.compiler import GrammarCompiler, tokenizer_json
+from ..structured.compiler import GrammarCompiler
 from ..structured.matcher import GrammarState
 from ..worker.runner import ModelRunner
 from .detokenizer import IncrementalDetokenizer
@@ -87,7 +87,7 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         # Structured outputs: grammars over the model's vocabulary (lm_head rows), compiled on
         # first use and cached; thread-safe, so the server validates requests with it too.
-        self.grammar_compiler = GrammarCompiler(tokenizer_json(self.tokenizer), self.vocab_size,
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                 sorted(self.eos_token_ids))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len)

@@ -22,6 +22,7 @@ is held back), each call's name once it is complete, then its arguments as they 
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -179,17 +180,19 @@ def complete_call(obj_text: str, args_keys: tuple[str, ...]) -> Optional[ToolCal
 # ----------------------------------------------------------------------------- parsers
 
 
-class ToolParser:
-    """Base: ``parse`` for a whole reply, ``plan`` for a reply still being written."""
+class ToolParser(ABC):
+    """A model family's tool-call format: ``parse`` for a whole reply, ``plan`` for a reply
+    still being written (what can be streamed so far)."""
 
     name = ""
 
+    @abstractmethod
     def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
         """(content or None, calls); a malformed call makes the whole reply content."""
-        raise NotImplementedError
 
+    @abstractmethod
     def plan(self, text: str, finished: bool) -> Plan:
-        raise NotImplementedError
+        """The calls (possibly partial) and content readable from ``text`` so far."""
 
     def streamer(self) -> "ToolStreamer":
         return ToolStreamer(self)

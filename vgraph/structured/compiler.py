@@ -37,7 +37,7 @@ def import_llguidance() -> Any:
 
 def tokenizer_json(tokenizer: Any) -> Optional[str]:
     """The fast tokenizer's JSON (added tokens included, padding and truncation off), or None
-    for a slow tokenizer. Taken once when the engine starts, on the engine's thread."""
+    for a slow tokenizer. Taken by the compiler on its first grammar, not at start-up."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -71,9 +71,11 @@ class GrammarCompiler:
     the ids beyond the tokenizer have no text and are never allowed.
     """
 
-    def __init__(self, tokenizer_json: Optional[str], vocab_size: int, eos_token_ids: list[int],
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
-        self._tokenizer_json = tokenizer_json
+        # Serialized for llguidance only when a request first asks for a grammar: an engine
+        # that never sees one does not pay for it at start-up (megabytes for a 150k vocabulary).
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
@@ -88,11 +90,12 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 llg = import_llguidance()
-                if self._tokenizer_json is None:
+                serialized = tokenizer_json(self._tokenizer)
+                if serialized is None:
                     raise ValueError("structured outputs need a fast (Rust) tokenizer; this model's is not")
                 if not self.eos_token_ids:
                     raise ValueError("structured outputs need an EOS token; the model defines none")
-                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                self._ll_tokenizer = llg.LLTokenizer(serialized, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids)
             return self._ll_tokenizer
 

@@ -63,29 +63,23 @@ class PoolingState:
 
 def pooled_chunks(hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, PooledChunk]:
     """Each pooling request's chunk reduction, from the step's final hidden states
-    (``hidden``: the scheduled rows in batch order, padding dropped)."""
-    rows: list[torch.Tensor] = []
+    (``hidden``: the scheduled rows in batch order, padding dropped), copied to the host in
+    one go for the whole step."""
     chunks: dict[str, PooledChunk] = {}
+    reduced: list[tuple[str, torch.Tensor]] = []  # request id -> its chunk's value, on the device
     offset = 0
     for item in sched.scheduled:
         request, n, start = item.request, item.num_new_tokens, item.start_position
         state = request.pooling
         if state is not None:
-            ends_prompt = start + n >= request.num_prompt_tokens
-            value = None
-            if state.pooling_type == "mean":
-                value = hidden[offset:offset + n].float().sum(dim=0)
-            elif ends_prompt:
-                value = hidden[offset + n - 1].float()
             chunks[request.request_id] = PooledChunk(start, n, None)
-            if value is not None:
-                rows.append(value)
-                chunks[request.request_id].value = value
+            if state.pooling_type == "mean":
+                reduced.append((request.request_id, hidden[offset:offset + n].float().sum(dim=0)))
+            elif start + n >= request.num_prompt_tokens:  # "last", in the chunk that ends the prompt
+                reduced.append((request.request_id, hidden[offset + n - 1].float()))
         offset += n
-    if rows:  # one copy to the host for the whole step
-        host = torch.stack(rows).cpu()
-        it = iter(host)
-        for chunk in chunks.values():
-            if chunk.value is not None:
-                chunk.value = next(it)
+    if reduced:
+        host = torch.stack([value for _, value in reduced]).cpu()
+        for (request_id, _), value in zip(reduced, host):
+            chunks[request_id].value = value
     return chunks
