@@ -236,6 +236,21 @@ def paged_attention_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tenso
                                                       softmax_scale))
 
 
+def paged_attention_with_new_kv(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                                block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+                                max_query_len: int, softmax_scale: float) -> Tensor:
+    """``vgraph::paged_attention`` given also the K/V rows this step just cached (``k``/``v``,
+    one per row of q). On CPU, prefills without cached context attend over those rows
+    directly instead of gathering them back out of the cache; the result is the same."""
+    _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+                           max_query_len)
+    if q.device.type != "cpu" or k.dtype != k_cache.dtype or k.shape[0] != q.shape[0]:
+        return torch.ops.vgraph.paged_attention(q, k_cache, v_cache, block_table, query_start_loc,
+                                                seq_lens, max_query_len, softmax_scale)
+    return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc,
+                                             seq_lens, max_query_len, softmax_scale, new_kv=(k, v))
+
+
 def paged_attention_decode_split_kv_into(out: Tensor, q: Tensor, k_cache: Tensor,
                                          v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
                                          softmax_scale: float, num_splits: int) -> Tensor:

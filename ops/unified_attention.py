@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from . import kv_cache as _kv_cache  # noqa: F401  (registers the cache write called below)
-from .attention import paged_attention_decode_split_kv_into, paged_attention_into
+from .attention import (paged_attention_decode_split_kv_into, paged_attention_into,
+                        paged_attention_with_new_kv)
 from .forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from .registration import vgraph_op
 
@@ -38,15 +39,18 @@ def _write_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                        meta.slot_mapping)
 
 
-def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-            softmax_scale: float, out: Optional[Tensor]) -> Tensor:
-    """The attention of every row of ``q``, written into ``out`` when one is given."""
+def _attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+            meta: AttentionMetadata, softmax_scale: float, out: Optional[Tensor]) -> Tensor:
+    """The attention of every row of ``q``, written into ``out`` when one is given. ``k``/``v``
+    are the rows just cached: the CPU kernel reads fresh prefills' keys from them."""
     if meta.max_query_len == 1 and meta.num_kv_splits > 1:
         return _attend_decode_split_kv(q, k_cache, v_cache, meta, softmax_scale, out)
     args = (q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
             meta.max_query_len, softmax_scale)
     if out is not None:
         return paged_attention_into(out, *args)
+    if q.device.type == "cpu" and meta.max_query_len > 1 and q.shape[0] == k.shape[0]:
+        return paged_attention_with_new_kv(q, k, v, *args[1:])
     return torch.ops.vgraph.paged_attention(*args)
 
 
@@ -96,7 +100,7 @@ def unified_attention(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     meta = ctx.attn_metadata
     _write_cache(k, v, k_cache, v_cache, meta)
-    return _attend(q, k_cache, v_cache, meta, ctx.softmax_scale, _output_buffer(ctx, layer_idx, q))
+    return _attend(q, k, v, k_cache, v_cache, meta, ctx.softmax_scale, _output_buffer(ctx, layer_idx, q))
 
 
 @unified_attention.register_fake

@@ -1,9 +1,18 @@
-"""``python -m perf run SUITE [--device cpu|cuda] [--quick]``: run a suite, write its results."""
+"""``python -m perf run SUITE [--device cpu|cuda] [--quick] [--threads N]``: run a suite, write its results.
+
+On CPU a suite runs at torch's default thread count (every core), as a user runs vgraph: that is
+the headline. Unless ``--threads`` is given, the same suite then runs again in a child process
+at one thread and its result lands under ``"threads_1"`` in the same file, the extra column
+(``--no-threads-1`` skips it). One thread shows the kernels without the thread team, and stays
+readable on a machine where another process holds a core (see ``contention_probe``)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +56,11 @@ def main(argv=None) -> int:
     run.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     run.add_argument("--quick", action="store_true", help="fewer shapes and repetitions (smoke run)")
     run.add_argument("--threads", type=int, default=None,
-                     help="torch (OpenMP) threads for this process and its children (default: torch's)")
+                     help="torch (OpenMP) threads for this process and its children (default: torch's, "
+                          "one per core; then a second run at 1 thread is added as an extra column)")
+    run.add_argument("--no-threads-1", action="store_true",
+                     help="skip the extra run at --threads 1 that a default-thread CPU run adds")
+    run.add_argument("--output", type=Path, default=None, help=argparse.SUPPRESS)  # the threads-1 child
     replot = sub.add_parser("plot", help="redraw perf/results/*.png from the results files already there")
     replot.add_argument("names", nargs="*", help="results names, e.g. offline-cpu (default: every results file)")
     args = parser.parse_args(argv)
@@ -61,20 +74,60 @@ def main(argv=None) -> int:
         return 2
     import importlib
     suite = importlib.import_module(f".suites.{module_name(args.suite)}", __package__)
-    probe_before = contention_probe() if args.device == "cpu" else None
-    result = suite.run(args.device, quick=args.quick)
-    result["machine"] = machine_info(args.device)
-    result["machine"]["torch_num_threads"] = torch.get_num_threads()
-    if probe_before is not None:
-        result["machine"]["contention_probe_before_after"] = [probe_before, contention_probe()]
+    result = run_suite(suite, args.device, args.quick)
+    if args.output is not None:  # the threads-1 child: its parent files the result
+        args.output.write_text(json.dumps(result, default=str))
+        return 0
+    print(suite.summarize(result))
+    if wants_threads_1(args):
+        result["threads_1"] = run_threads_1(args)
+        print(f"\n--- the same suite at --threads 1 ---\n{suite.summarize(result['threads_1'])}")
+        print(threads_table(suite, result))
     suffix = "-quick" if args.quick else ""
     path = write_results(f"{args.suite}-{args.device}{suffix}", result)
-    print(suite.summarize(result))
     print(f"results: {path}")
     plot_path = save_plot(suite, result, path)
     if plot_path is not None:
         print(f"plot: {plot_path}")
     return 0
+
+
+def run_suite(suite, device: str, quick: bool) -> dict:
+    """One run of a suite, with the machine, the thread count and the contention probe."""
+    probe_before = contention_probe() if device == "cpu" else None
+    result = suite.run(device, quick=quick)
+    result["machine"] = machine_info(device)
+    result["machine"]["torch_num_threads"] = torch.get_num_threads()
+    if probe_before is not None:
+        result["machine"]["contention_probe_before_after"] = [probe_before, contention_probe()]
+    return result
+
+
+def wants_threads_1(args: argparse.Namespace) -> bool:
+    return (args.device == "cpu" and args.threads is None and not args.no_threads_1
+            and torch.get_num_threads() > 1)
+
+
+def run_threads_1(args: argparse.Namespace) -> dict:
+    """The suite again in a child at one thread (OpenMP's team size is fixed per process)."""
+    with tempfile.TemporaryDirectory(prefix="vgraph-perf-threads-1-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "perf", "run", args.suite, "--device", "cpu", "--threads", "1",
+               "--output", str(out)] + (["--quick"] if args.quick else [])
+        subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)
+        return json.loads(out.read_text())
+
+
+def threads_table(suite, result: dict) -> str:
+    """The suite's headline figures side by side: default threads, and the threads-1 column."""
+    if not hasattr(suite, "headline_figures"):
+        return ""
+    many, one = suite.headline_figures(result), suite.headline_figures(result["threads_1"])
+    threads = result["machine"]["torch_num_threads"]
+    width = max(len(name) for name in many) + 2
+    lines = [f"{'figure':<{width}}{f'{threads} threads':>14}{'1 thread':>14}"]
+    lines += [f"{name:<{width}}{value:>14.3f}{one.get(name, float('nan')):>14.3f}" for name, value in many.items()]
+    return "\n".join(lines)
 
 
 def save_plot(suite, result: dict, results_path: Path) -> Path | None:

@@ -236,3 +236,32 @@ def test_prefills_without_context_take_causal_sdpa_and_the_rest_the_masked_group
                         lambda *a: grouped.extend(s.seq for s in a[4]) or real_group(*a))
     check_against_reference(b, native_kernel=False)
     assert sorted(fresh) == [0, 2] and sorted(grouped) == [1, 3]  # 2: a one-token prompt
+
+
+def step_rows_of_the_cache(b, cache: torch.Tensor) -> torch.Tensor:
+    """The K (or V) row each query row wrote into ``cache``: what unified_attention hands over
+    as ``new_kv``. Rows of padding sequences and past the last sequence stay NaN (never read)."""
+    block_size = cache.shape[1]
+    rows = torch.full((b.q.shape[0], *cache.shape[2:]), float("nan"), dtype=cache.dtype)
+    starts, lens = b.query_start_loc.tolist(), b.seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            rows[starts[i] + j] = cache[int(b.block_table[i, pos // block_size]), pos % block_size]
+    return rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fresh_prefills_read_the_steps_own_kv_rows_with_the_same_result(dtype, monkeypatch):
+    b = make_batch([(0, 40), (16, 20), (0, 1), PAD, (7, 1), (0, 23)], 2, 4, 64, 16, dtype, extra_rows=2)
+    args = b.attention_args()
+    new_kv = (step_rows_of_the_cache(b, args[1]), step_rows_of_the_cache(b, args[2]))
+    calls = []
+    real_gather = cpu_attention.gather_kv
+    monkeypatch.setattr(cpu_attention, "gather_kv", lambda *a: calls.append(1) or real_gather(*a))
+    out = paged_attention_cpu(*args, native_kernel=False, new_kv=new_kv)
+    with_new_kv, calls[:] = len(calls), []
+    assert torch.equal(paged_attention_cpu(*args, native_kernel=False), out)
+    assert len(calls) == with_new_kv + 6  # the 3 fresh prefills (0, 2, 5) no longer gather K and V
+    assert_close_rel(out, paged_attention_reference(*args))
