@@ -28,6 +28,7 @@ from .registration import vgraph_op
 
 PANEL = 16
 ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
+DENSE_MIN_ROWS = 128  # fewer rows always take the packed kernel (see linear_tuning)
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -85,22 +86,38 @@ def _check(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int)
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({out_features},)")
 
 
+def _check_dense(dense: Optional[Tensor], packed: Tensor, out_features: int) -> None:
+    if dense is not None and tuple(dense.shape) != (out_features, packed.shape[1]):
+        raise ValueError(f"dense weight shape {tuple(dense.shape)} != ({out_features}, {packed.shape[1]})")
+
+
 @vgraph_op("vgraph::packed_linear", mutates_args=())
-def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
-    """``x [..., K] @ W^T + bias`` -> ``[..., out_features]`` with W given packed."""
+def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
+                  dense: Optional[Tensor] = None) -> Tensor:
+    """``x [..., K] @ W^T + bias`` -> ``[..., out_features]`` with W given packed.
+
+    ``dense``: the same weight unpacked, kept where startup measured BLAS faster at prefill
+    sizes (``linear_tuning``); calls of at least ``DENSE_MIN_ROWS`` rows then use it."""
     _check(x, packed, bias, out_features)
+    _check_dense(dense, packed, out_features)
     return packed_linear_reference(x, packed, bias, out_features)
 
 
 @packed_linear.register_fake
-def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
+      dense: Optional[Tensor] = None) -> Tensor:
     _check(x, packed, bias, out_features)
+    _check_dense(dense, packed, out_features)
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 @packed_linear.register_kernel("cpu")
-def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int) -> Tensor:
+def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
+      dense: Optional[Tensor] = None) -> Tensor:
     _check(x, packed, bias, out_features)
+    _check_dense(dense, packed, out_features)
+    if dense is not None and x.numel() >= DENSE_MIN_ROWS * x.shape[-1]:
+        return F.linear(x, dense, bias)
     function = _KERNEL.load()
     if function is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != x.dtype):
         return packed_linear_reference(x, packed, bias, out_features)

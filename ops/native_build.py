@@ -70,7 +70,7 @@ def _compiler_version(cxx: str) -> str:
     return _run_compiler([cxx, "--version"], timeout=60).stdout
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
     """The CPU's feature flags: ``-march=native`` code is only valid on a CPU that has them."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -81,7 +81,7 @@ def _cpu_features() -> str:
 
 
 def library_key(source: str, cxx: str) -> str:
-    parts = [source, cxx, _compiler_version(cxx), " ".join(FLAGS), _cpu_features()]
+    parts = [source, cxx, _compiler_version(cxx), " ".join(FLAGS), cpu_features()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 

@@ -100,3 +100,15 @@ def test_greedy_logprobs_match_transformers_log_softmax():
         assert abs(lp[tok] - ref[tok].item()) < 1e-4
         top3 = set(ref.topk(3).indices.tolist())
         assert top3 <= set(lp), "the top-3 logprobs are reported"
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_blas_prefill_gemms_equal_transformers(mode, monkeypatch):
+    """With every shape's prefill GEMM forced to BLAS (a kept unpacked weight), prompts past
+    DENSE_MIN_ROWS take F.linear, decode the packed kernel: tokens still equal transformers."""
+    monkeypatch.setenv("VGRAPH_CPU_PREFILL_GEMM", "blas")
+    path = tiny_checkpoint(arch="qwen2")
+    llm = _llm(path, mode)
+    dense = [m for m in llm.engine.runner.model.modules() if getattr(m, "weight_dense", None) is not None]
+    assert dense, "no projection kept its unpacked weight"
+    _check_equal_to_hf(path, llm, random_prompts([5, 150, 200], llm.engine.vocab_size, seed=3))

@@ -6,6 +6,9 @@ into 16-column panels (``vgraph::packed_linear``, see ops/linear.py for why) and
 unpacked copy, so memory does not double. Loading again unpacks first, so a model can be
 reloaded in place. A tied ``lm_head`` is left alone: it shares the embedding's storage, and
 packing it would copy what is often the largest matrix of a small model.
+
+Prefill-sized calls of a shape for which startup measured torch's BLAS faster (see
+ops/linear_tuning.py) keep the unpacked weight too, and the op uses it for those calls.
 """
 from __future__ import annotations
 
@@ -15,8 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import logging
+
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
 from vgraph.ops.linear import pack_weight, unpack_weight
+from vgraph.ops.linear_tuning import TUNING_ROWS, choose_prefill_kernels, describe
+
+logger = logging.getLogger(__name__)
 
 
 def empty_parameter(*shape: int, dtype: torch.dtype, device: Any) -> nn.Parameter:
@@ -64,13 +72,15 @@ class PackedLinear(nn.Module):
     """``y = x @ W.T (+ b)`` with ``W`` stored packed; ``weight`` unpacks a copy for inspection.
 
     ``shards`` is kept from a ``MergedLinear`` so that ``unpack`` rebuilds the same module.
+    ``keep_dense``: also keep the unpacked weight, for prefill-sized calls (BLAS measured faster).
     """
 
-    def __init__(self, source: Linear) -> None:
+    def __init__(self, source: Linear, keep_dense: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = source.weight.shape
         self.shards: Optional[dict[str, tuple[int, int]]] = getattr(source, "shards", None)
         self.weight_packed = nn.Parameter(pack_weight(source.weight), requires_grad=False)
+        self.weight_dense = source.weight if keep_dense else None
         self.bias = source.bias
 
     @property
@@ -78,7 +88,8 @@ class PackedLinear(nn.Module):
         return unpack_weight(self.weight_packed.data, self.out_features)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.vgraph.packed_linear(x, self.weight_packed, self.bias, self.out_features)
+        return torch.ops.vgraph.packed_linear(x, self.weight_packed, self.bias, self.out_features,
+                                              self.weight_dense)
 
     def unpack(self) -> Linear:
         """The ``Linear`` (or ``MergedLinear``) this was packed from, with the same values."""
@@ -93,7 +104,8 @@ class PackedLinear(nn.Module):
         return module
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        dense = ", dense copy for prefill" if self.weight_dense is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed{dense}"
 
 
 def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -103,14 +115,23 @@ def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
 
 @torch.no_grad()
 def pack_linears(model: nn.Module, skip: set[str]) -> int:
-    """Packs every float32 ``Linear`` (fused ones included) not named in ``skip``; returns
-    how many were packed."""
-    packed = 0
-    for name, module in list(model.named_modules()):
-        if isinstance(module, Linear) and name not in skip and module.weight.dtype == torch.float32:
-            _swap(model, name, PackedLinear(module))
-            packed += 1
-    return packed
+    """Packs every float32 ``Linear`` (fused ones included) not named in ``skip``, keeping the
+    unpacked weight of shapes whose prefill GEMM is BLAS; returns how many were packed."""
+    targets = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, Linear) and name not in skip and module.weight.dtype == torch.float32]
+    if not targets:
+        return 0
+    choices = choose_prefill_kernels(tuple(m.weight.shape) for _, m in targets)
+    logger.info("prefill GEMM per weight shape (%d rows, %d threads): %s", TUNING_ROWS,
+                torch.get_num_threads(), describe(choices))
+    kept = 0
+    for name, module in targets:
+        keep = choices[tuple(module.weight.shape)].kernel == "blas"
+        kept += module.weight.numel() * 4 if keep else 0
+        _swap(model, name, PackedLinear(module, keep_dense=keep))
+    if kept:
+        logger.info("kept %.1f MiB of unpacked weights for BLAS prefill GEMMs", kept / 2**20)
+    return len(targets)
 
 
 @torch.no_grad()

@@ -1,0 +1,141 @@
+"""Which GEMM serves prefill-sized calls of each CPU projection, chosen by measuring once.
+
+Decode calls (a few rows) always take the packed kernel: that is what it is for, and BLAS
+runs far below bandwidth there. At prefill sizes both are compute-bound and which is faster
+depends on the shape, the CPU and the thread count: on the 2-core Zen 4 development VM the
+packed kernel and torch's BLAS (``F.linear``) were within 0.9-1.1x of each other, each ahead
+on some shapes. So at startup every distinct ``(out_features, in_features)`` of the model is
+timed both ways at ``TUNING_ROWS`` rows, interleaved, and BLAS is chosen only when it is at
+least ``MARGIN`` faster: it then needs an unpacked copy of those weights kept alongside the
+packed ones, which costs memory. Choices are cached per machine (CPU flags, thread count,
+torch version) in the kernel cache directory, so a warm start does not measure again.
+
+``VGRAPH_CPU_PREFILL_GEMM`` = ``packed`` or ``blas`` forces one for every shape; ``auto``
+(the default) measures.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .linear import pack_weight
+from .native_build import cpu_features, kernel_cache_dir
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "VGRAPH_CPU_PREFILL_GEMM"
+TUNING_ROWS = 512   # a prefill chunk's rows: large enough to be compute-bound for both
+MARGIN = 1.05      # BLAS must be this much faster to be worth a second copy of the weight
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    """The measured prefill GEMM of one weight shape: ``kernel`` is "packed" or "blas"."""
+
+    out_features: int
+    in_features: int
+    packed_ms: float
+    blas_ms: float
+    kernel: str
+
+    @property
+    def speedup(self) -> float:
+        """The chosen kernel's speed over the packed kernel's (1.0 when packed is chosen)."""
+        return self.packed_ms / self.blas_ms if self.kernel == "blas" else 1.0
+
+
+def _median_ms(fn: Callable[[], object], others: list[Callable[[], object]]) -> list[float]:
+    """Median ms per call of ``fn`` and each of ``others``, timed in rotating order."""
+    fns = [fn, *others]
+    for f in fns:
+        f()  # warm: first-touch pages, thread team start
+    samples: list[list[float]] = [[] for _ in fns]
+    for rep in range(REPEATS):
+        for i in (list(range(len(fns)))[rep % len(fns):] + list(range(len(fns)))[:rep % len(fns)]):
+            start = time.perf_counter()
+            fns[i]()
+            samples[i].append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(s) for s in samples]
+
+
+def measure_shape(out_features: int, in_features: int, rows: int = TUNING_ROWS) -> ShapeChoice:
+    """Times the packed kernel and ``F.linear`` on a random weight of this shape."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = pack_weight(weight)
+    packed_ms, blas_ms = _median_ms(
+        lambda: torch.ops.vgraph.packed_linear(x, packed, None, out_features),
+        [lambda: F.linear(x, weight)])
+    kernel = "blas" if packed_ms >= blas_ms * MARGIN else "packed"
+    return ShapeChoice(out_features, in_features, packed_ms, blas_ms, kernel)
+
+
+def forced_kernel() -> str | None:
+    value = os.environ.get(ENV_SWITCH, "auto").lower()
+    if value not in ("auto", "packed", "blas"):
+        raise ValueError(f"{ENV_SWITCH} must be auto, packed or blas, got {value!r}")
+    return None if value == "auto" else value
+
+
+def _cache_file() -> Path:
+    machine = "\0".join([cpu_features(), str(torch.get_num_threads()), torch.__version__,
+                         str(TUNING_ROWS), str(MARGIN)])
+    return kernel_cache_dir() / f"prefill-gemm-{hashlib.sha256(machine.encode()).hexdigest()[:20]}.json"
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, entries: dict[str, dict]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=1), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache only costs the measurement next time
+        logger.debug("could not cache the prefill GEMM choice in %s: %s", path, exc)
+
+
+def choose_prefill_kernels(shapes: Iterable[tuple[int, int]]) -> dict[tuple[int, int], ShapeChoice]:
+    """The prefill GEMM for each ``(out_features, in_features)``: cached, forced, or measured."""
+    forced = forced_kernel()
+    shapes = sorted(set(shapes))
+    if forced is not None:
+        return {s: ShapeChoice(*s, float("nan"), float("nan"), forced) for s in shapes}
+    path = _cache_file()
+    cached = _read_cache(path)
+    choices, measured = {}, False
+    for shape in shapes:
+        key = f"{shape[0]}x{shape[1]}"
+        if key not in cached:
+            cached[key] = asdict(measure_shape(*shape))
+            measured = True
+        choices[shape] = ShapeChoice(**cached[key])
+    if measured:
+        _write_cache(path, cached)
+    return choices
+
+
+def describe(choices: dict[tuple[int, int], ShapeChoice]) -> str:
+    """One log line: what each shape takes and by how much."""
+    parts = []
+    for (n, k), c in choices.items():
+        ratio = "" if c.packed_ms != c.packed_ms else f" (packed {c.packed_ms:.2f} ms, BLAS {c.blas_ms:.2f} ms)"
+        parts.append(f"{n}x{k}: {c.kernel}{ratio}")
+    return "; ".join(parts)

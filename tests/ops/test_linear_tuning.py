@@ -1,0 +1,67 @@
+"""The startup choice of prefill GEMM per weight shape (``ops/linear_tuning.py``) and the
+packed op's dense path that a BLAS choice turns on."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vgraph.ops import linear_tuning
+from vgraph.ops.linear import DENSE_MIN_ROWS, pack_weight
+from vgraph.ops.linear_tuning import ShapeChoice, choose_prefill_kernels
+
+
+@pytest.fixture
+def kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(linear_tuning.ENV_SWITCH, raising=False)
+    return tmp_path
+
+
+def test_a_shape_is_measured_once_per_machine_then_read_from_the_cache(kernel_cache, monkeypatch):
+    first = choose_prefill_kernels([(48, 32), (48, 32), (16, 32)])
+    assert sorted(first) == [(16, 32), (48, 32)]
+    for c in first.values():
+        assert c.kernel in ("packed", "blas") and c.packed_ms > 0 and c.blas_ms > 0
+        assert (c.kernel == "blas") == (c.packed_ms >= c.blas_ms * linear_tuning.MARGIN)
+    monkeypatch.setattr(linear_tuning, "measure_shape", lambda *a: pytest.fail("measured again"))
+    assert choose_prefill_kernels([(16, 32), (48, 32)]) == first
+
+
+def test_the_switch_forces_a_kernel_without_measuring(kernel_cache, monkeypatch):
+    monkeypatch.setattr(linear_tuning, "measure_shape", lambda *a: pytest.fail("measured"))
+    for kernel in ("packed", "blas"):
+        monkeypatch.setenv(linear_tuning.ENV_SWITCH, kernel)
+        assert {c.kernel for c in choose_prefill_kernels([(8, 8), (16, 8)]).values()} == {kernel}
+    monkeypatch.setenv(linear_tuning.ENV_SWITCH, "fastest")
+    with pytest.raises(ValueError, match="auto, packed or blas"):
+        choose_prefill_kernels([(8, 8)])
+
+
+def test_blas_is_chosen_only_past_the_margin():
+    assert ShapeChoice(8, 8, 1.0, 0.9, "blas").speedup == pytest.approx(1 / 0.9)
+    assert ShapeChoice(8, 8, 1.0, 0.99, "packed").speedup == 1.0
+
+
+@pytest.mark.parametrize("rows", [1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
+def test_dense_weight_serves_prefill_rows_and_the_kernel_the_rest(rows, monkeypatch):
+    w, b = torch.randn(40, 64), torch.randn(40)
+    x = torch.randn(rows, 64)
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(a[1].shape) or real_linear(*a))
+    out = torch.ops.vgraph.packed_linear(x, pack_weight(w), b, 40, w)
+    torch.testing.assert_close(out, real_linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert bool(calls) == (rows >= DENSE_MIN_ROWS)
+
+
+def test_a_dense_weight_of_the_wrong_shape_is_a_value_error():
+    with pytest.raises(ValueError, match="dense weight shape"):
+        torch.ops.vgraph.packed_linear(torch.randn(2, 64), pack_weight(torch.randn(40, 64)), None, 40,
+                                       torch.randn(40, 32))
+
+
+def test_opcheck_with_a_dense_weight():
+    w = torch.randn(40, 64)
+    args = (torch.randn(DENSE_MIN_ROWS, 64), pack_weight(w), None, 40, w)
+    torch.library.opcheck(torch.ops.vgraph.packed_linear.default, args)
