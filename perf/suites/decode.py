@@ -439,6 +439,13 @@ def _util(s: dict) -> float:
     return s["util_nominal"] if s.get("util_nominal") is not None else s["util_copy"]
 
 
+def headline_figures(result: dict) -> dict[str, float]:
+    """Step latency (ms) of every system at every batch size, per model shape."""
+    return {f"{shape_name} batch {row['batch']} {name} ms": system["latency_ms"]
+            for shape_name, shape in result["shapes"].items() for row in shape["rows"]
+            for name, system in row["systems"].items()}
+
+
 def summarize(result: dict) -> str:
     cfg, bw = result["config"], result["bandwidth"]
     peak = (f"nominal peak {bw['nominal_gbs']:.0f} GB/s ({bw['nominal_entry']}), " if bw["nominal_gbs"] else "")

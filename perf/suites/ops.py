@@ -133,7 +133,7 @@ def _ratios(timings: dict[str, dict]) -> dict[str, float]:
 
 def run(device: str, quick: bool = False) -> dict:
     from ..timing import time_variants
-    from . import ops_attention
+    from . import ops_attention, ops_linear_threads
     from .compile import git_state
 
     token_counts, hidden, inter = _shapes(device)
@@ -155,7 +155,8 @@ def run(device: str, quick: bool = False) -> dict:
                 row["fused"] = _ratios(timings)
             rows.append(row)
         print(f"  tokens {tokens}: {len(families)} ops timed", flush=True)
-    return {"suite": "ops",
+    threads = ops_linear_threads.sweep(quick) if device == "cpu" and torch.get_num_threads() > 1 else None
+    return {"suite": "ops", "linear_threads": threads,
             "config": {"device": device, "dtype": str(dtype), "tokens": token_counts, "hidden": hidden,
                        "intermediate": inter, "reps": reps, "attention": ops_attention.describe(device),
                        "unfused": UNFUSED_DESCRIPTION, "git": git_state(), "loadavg": os.getloadavg()},
@@ -202,7 +203,19 @@ def summarize(result: dict) -> str:
         meds = [v for e in target["ops"].values() for v in e["fused_vs_inductor"].values()]
         if meds:
             lines.append(f"  median fused vs Inductor over ops and shapes: {statistics.median(meds):.2f}x")
+    from . import ops_linear_threads
+    lines += ops_linear_threads.summarize(result.get("linear_threads"))
     return "\n".join(lines)
+
+
+def headline_figures(result: dict) -> dict[str, float]:
+    """Median microseconds of the packed GEMM and the C++ decode attention per token count."""
+    figures = {}
+    for row in result["rows"]:
+        if row["op"].startswith(("linear_", "paged_attention")) and "vgraph" in row["timings"]:
+            figures[f"{row['op']} x{row['tokens']}: vgraph us"] = row["timings"]["vgraph"]["median_s"] * 1e6
+            figures[f"{row['op']} x{row['tokens']}: vs eager"] = row["speedup_vs_eager"]["vgraph"]
+    return figures
 
 
 def plot(result: dict):
