@@ -5,7 +5,7 @@ runs far below bandwidth there. At prefill sizes both are compute-bound and whic
 depends on the shape, the CPU and the thread count: on the 2-core Zen 4 development VM the
 packed kernel and torch's BLAS (``F.linear``) were within 0.9-1.1x of each other, each ahead
 on some shapes. So at startup every distinct ``(out_features, in_features)`` of the model is
-timed both ways at ``TUNING_ROWS`` rows, interleaved, and BLAS is chosen only when it is at
+timed both ways at ``TUNING_ROWS`` rows, interleaved (fastest of ``REPEATS``), and BLAS is chosen only when it is at
 least ``MARGIN`` faster: it then needs an unpacked copy of those weights kept alongside the
 packed ones, which costs memory. Choices are cached per machine (CPU flags, thread count,
 torch version) in the kernel cache directory, so a warm start does not measure again.
@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,8 +54,10 @@ class ShapeChoice:
         return self.packed_ms / self.blas_ms if self.kernel == "blas" else 1.0
 
 
-def _median_ms(fn: Callable[[], object], others: list[Callable[[], object]]) -> list[float]:
-    """Median ms per call of ``fn`` and each of ``others``, timed in rotating order."""
+def _fastest_ms(fn: Callable[[], object], others: list[Callable[[], object]]) -> list[float]:
+    """Fastest ms per call of ``fn`` and each of ``others``, timed in rotating order. The
+    minimum, not the median: another process can only slow a sample down, and a choice that
+    is cached for every later start must not record a moment of contention."""
     fns = [fn, *others]
     for f in fns:
         f()  # warm: first-touch pages, thread team start
@@ -66,7 +67,7 @@ def _median_ms(fn: Callable[[], object], others: list[Callable[[], object]]) -> 
             start = time.perf_counter()
             fns[i]()
             samples[i].append((time.perf_counter() - start) * 1e3)
-    return [statistics.median(s) for s in samples]
+    return [min(s) for s in samples]
 
 
 def measure_shape(out_features: int, in_features: int, rows: int = TUNING_ROWS) -> ShapeChoice:
@@ -75,7 +76,7 @@ def measure_shape(out_features: int, in_features: int, rows: int = TUNING_ROWS) 
     weight = torch.randn(out_features, in_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)
     packed = pack_weight(weight)
-    packed_ms, blas_ms = _median_ms(
+    packed_ms, blas_ms = _fastest_ms(
         lambda: torch.ops.vgraph.packed_linear(x, packed, None, out_features),
         [lambda: F.linear(x, weight)])
     kernel = "blas" if packed_ms >= blas_ms * MARGIN else "packed"
