@@ -15,8 +15,8 @@ from vgraph.ops import linear
 from vgraph.ops.linear import pack_weight, packed_linear_reference, unpack_weight
 
 # (1024: whole groups; 100: 7 panels, partial last panel and group; 120: 8 panels, whole groups
-# ending on a partial panel; 17, 1, 16: a single panel)
-SHAPES = [(1024, 512), (100, 80), (120, 24), (17, 33), (1, 5), (16, 16)]
+# ending on a partial panel; 17, 1, 16: a single panel; 600: a long k with a partial group).
+SHAPES = [(1024, 512), (100, 80), (120, 24), (17, 33), (1, 5), (16, 16), (100, 600)]
 
 
 def close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -39,7 +39,7 @@ def test_pack_round_trips_and_pads_with_zeros(out_features, in_features):
 
 
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 64, 97, 197, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(out_features, in_features, rows, with_bias):
     w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
@@ -72,18 +72,33 @@ def test_a_rows_result_does_not_depend_on_its_batch(out_features):
         assert torch.equal(batched, alone[:rows]), rows
 
 
-def test_threads_split_panels_without_changing_a_bit():
-    w, x, bias = torch.randn(300, 96), torch.randn(20, 96), torch.randn(300)
+@pytest.mark.parametrize("out_features,in_features", [(100, 600), (1024, 300)])
+def test_prefill_calls_give_a_row_the_same_bits_as_a_decode_call(out_features, in_features):
+    """A row's output in a prefill-sized call must equal, bit for bit, what it gets alone (a
+    prompt's last token and its first decode share a GEMM shape): any blocking of rows or k
+    the kernel does must keep each output's in-order sum."""
+    w, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(203, in_features)
     packed = pack_weight(w)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
-        torch.set_num_threads(2)
-        two = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two)
+    big = torch.ops.vgraph.packed_linear(x, packed, bias, out_features)
+    for i in (0, 95, 96, 101, 198, 202):
+        assert torch.equal(big[i:i + 1], torch.ops.vgraph.packed_linear(x[i:i + 1], packed, bias, out_features)), i
+    close(big, F.linear(x, w, bias))
+
+
+def test_threads_split_panels_without_changing_a_bit():
+    for rows, in_features in ((20, 96), (250, 600)):  # decode-sized and prefill-sized
+        w, x, bias = torch.randn(300, in_features), torch.randn(rows, in_features), torch.randn(300)
+        packed = pack_weight(w)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
+            torch.set_num_threads(2)
+            two = torch.ops.vgraph.packed_linear(x, packed, bias, 300)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(one, two)
 
 
 def test_the_cpu_kernel_runs_and_other_dtypes_use_the_reference(monkeypatch):
