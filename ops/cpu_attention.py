@@ -299,8 +299,9 @@ def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc
 def attend_short_segments_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                    block_table: Tensor, plan: Plan, scale: float) -> Tensor:
     """The C++ kernel's rows of the output; zeros elsewhere (the SDPA path fills its rows)."""
-    if plan.short is None:
-        return q.new_zeros(q.shape)
+    if plan.short is None:  # rows no segment covers (padding) must read zero
+        covered = sum(s.q_len for s in plan.fresh) + sum(s.q_len for s in plan.long)
+        return q.new_empty(q.shape) if covered == q.shape[0] else q.new_zeros(q.shape)
     every_row = plan.short_rows == q.shape[0]  # then the kernel writes every row itself
     out = (torch.empty if every_row else torch.zeros)(q.shape, dtype=torch.float32)
     native.attend_segments(q, k_cache, v_cache, block_table, plan.short, scale, out)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vgraph import cli, cli_options
-from vgraph.config import (FIELD_SECTION, SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode,
+from vgraph.config import (CPU_STEP_TOKENS, FIELD_SECTION, GPU_STEP_TOKENS, SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode,
                            EngineConfig, ModelConfig, SchedulerConfig)
 from vgraph.engine import llm as llm_module
 
@@ -281,6 +281,20 @@ def test_resolved_auto_device_and_max_model_len():
     assert resolved.max_model_len == 100
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 64"):
         _resolve(EngineConfig.from_kwargs(MODEL, max_model_len=100), positions=64)
+
+
+@pytest.mark.parametrize("kwargs,positions,expected", [
+    ({"device": "cpu"}, 4096, CPU_STEP_TOKENS),  # cache-sized steps on CPU
+    ({"device": "cuda"}, 4096, GPU_STEP_TOKENS),
+    ({"device": "cpu", "max_num_batched_tokens": 2048}, 4096, 2048),  # given: kept
+    ({"device": "cpu", "enable_chunked_prefill": False}, 4096, 4096),  # a whole prompt per step
+    ({"device": "cuda", "enable_chunked_prefill": False}, 1024, GPU_STEP_TOKENS),
+])
+def test_the_step_token_budget_is_decided_for_the_device(kwargs, positions, expected):
+    config = EngineConfig.from_kwargs(MODEL, **kwargs)
+    resolved = _resolve(config, positions=positions)
+    assert resolved.scheduler.max_num_batched_tokens == expected
+    assert config.scheduler.max_num_batched_tokens == kwargs.get("max_num_batched_tokens")
 
 
 def test_unresolved_config_refuses_resolved_only_reads():

@@ -104,12 +104,13 @@ class VgraphSystem:
 
         self.config = {"dtype": "float32", "device": device, "enable_prefix_caching": False,
                        "block_size": BLOCK_SIZE, "max_num_seqs": max(len(r.prompts) for r in levels),
-                       "max_num_batched_tokens": 8192,
                        "num_gpu_blocks": max(kv_blocks_needed(r) for r in levels) + 16,
                        "enforce_eager": not compiled}
         start = time.perf_counter()
         self.llm = LLM(path, **self.config)
         self.build_s = time.perf_counter() - start  # includes the cold compile when compiled
+        # The step token budget is the engine's default for the device, as a user gets it.
+        self.config["max_num_batched_tokens"] = self.llm.engine.config.scheduler.max_num_batched_tokens
         counters = self.llm.engine.runner.compile_counters
         self.compile_counters = counters.as_dict() if counters is not None else None
         self._sampling = SamplingParams

@@ -89,9 +89,9 @@ def routes(monkeypatch):
 
     real_fresh = cpu_attention.attend_fresh_prefill
 
-    def fresh_spy(q, k_cache, v_cache, block_table, seg, scale, out):
+    def fresh_spy(q, k_cache, v_cache, block_table, seg, scale, out, new_kv=None):
         calls.sdpa.append((seg.seq, seg.start, seg.q_len, seg.seq_len))
-        return real_fresh(q, k_cache, v_cache, block_table, seg, scale, out)
+        return real_fresh(q, k_cache, v_cache, block_table, seg, scale, out, new_kv)
 
     monkeypatch.setattr(cpu_attention.native, "attend_segments", native_spy)
     monkeypatch.setattr(cpu_attention, "attend_group", group_spy)
