@@ -33,7 +33,9 @@ from .native_build import cpu_features, kernel_cache_dir
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "VGRAPH_CPU_PREFILL_GEMM"
-TUNING_ROWS = 512   # a prefill chunk's rows: large enough to be compute-bound for both
+TUNING_ROWS = 512   # a prefill step's rows: large enough to be compute-bound for both
+MIN_TUNING_ROWS = 128  # big weights (a 7B model's MLP) are timed at fewer rows, bounding startup
+TUNING_MACS = 1 << 31  # most multiply-adds per timed call (~20 ms on one core)
 MARGIN = 1.05      # BLAS must be this much faster to be worth a second copy of the weight
 REPEATS = 5
 
@@ -70,8 +72,14 @@ def _fastest_ms(fn: Callable[[], object], others: list[Callable[[], object]]) ->
     return [min(s) for s in samples]
 
 
-def measure_shape(out_features: int, in_features: int, rows: int = TUNING_ROWS) -> ShapeChoice:
+def tuning_rows(out_features: int, in_features: int) -> int:
+    """Rows a shape is timed at: TUNING_ROWS, fewer (down to MIN_TUNING_ROWS) for big weights."""
+    return max(MIN_TUNING_ROWS, min(TUNING_ROWS, TUNING_MACS // (out_features * in_features)))
+
+
+def measure_shape(out_features: int, in_features: int) -> ShapeChoice:
     """Times the packed kernel and ``F.linear`` on a random weight of this shape."""
+    rows = tuning_rows(out_features, in_features)
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator)
     x = torch.randn(rows, in_features, generator=generator)

@@ -65,3 +65,24 @@ def test_opcheck_with_a_dense_weight():
     w = torch.randn(40, 64)
     args = (torch.randn(DENSE_MIN_ROWS, 64), pack_weight(w), None, 40, w)
     torch.library.opcheck(torch.ops.vgraph.packed_linear.default, args)
+
+
+def test_big_weights_are_timed_at_fewer_rows():
+    assert linear_tuning.tuning_rows(1024, 512) == linear_tuning.TUNING_ROWS
+    assert linear_tuning.tuning_rows(28672, 4096) == linear_tuning.MIN_TUNING_ROWS
+    assert linear_tuning.MIN_TUNING_ROWS <= linear_tuning.tuning_rows(9728, 896) <= linear_tuning.TUNING_ROWS
+
+
+def test_the_lm_head_is_never_timed(kernel_cache, monkeypatch):
+    from tests.checkpoints import tiny_checkpoint
+    from vgraph.config import ModelConfig
+    from vgraph.models.linear import PackedLinear
+    from vgraph.models.loader import load_model
+
+    timed = []
+    real = linear_tuning.measure_shape
+    monkeypatch.setattr(linear_tuning, "measure_shape", lambda *a: timed.append(a) or real(*a))
+    model = load_model(ModelConfig(tiny_checkpoint(arch="llama")), "cpu")[0]
+    decoder = {(m.out_features, m.in_features) for n, m in model.named_modules()
+               if isinstance(m, PackedLinear) and n != "lm_head"}
+    assert isinstance(model.lm_head, PackedLinear) and set(timed) == decoder

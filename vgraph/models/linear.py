@@ -121,12 +121,14 @@ def pack_linears(model: nn.Module, skip: set[str]) -> int:
                if isinstance(module, Linear) and name not in skip and module.weight.dtype == torch.float32]
     if not targets:
         return 0
-    choices = choose_prefill_kernels(tuple(m.weight.shape) for _, m in targets)
-    logger.info("prefill GEMM per weight shape (%d rows, %d threads): %s", TUNING_ROWS,
+    # The lm_head only sees the rows the sampler needs: it stays on the packed kernel.
+    choices = choose_prefill_kernels(tuple(m.weight.shape) for n, m in targets if n != "lm_head")
+    logger.info("prefill GEMM per weight shape (up to %d rows, %d threads): %s", TUNING_ROWS,
                 torch.get_num_threads(), describe(choices))
     kept = 0
     for name, module in targets:
-        keep = choices[tuple(module.weight.shape)].kernel == "blas"
+        choice = choices.get(tuple(module.weight.shape)) if name != "lm_head" else None
+        keep = choice is not None and choice.kernel == "blas"
         kept += module.weight.numel() * 4 if keep else 0
         _swap(model, name, PackedLinear(module, keep_dense=keep))
     if kept:
