@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         args.output.write_text(json.dumps(result, default=str))
         return 0
     print(suite.summarize(result))
-    if wants_threads_1(args):
+    if wants_threads_1(args, suite):
         result["threads_1"] = run_threads_1(args)
         print(f"\n--- the same suite at --threads 1 ---\n{suite.summarize(result['threads_1'])}")
         print(threads_table(suite, result))
@@ -103,9 +103,12 @@ def run_suite(suite, device: str, quick: bool) -> dict:
     return result
 
 
-def wants_threads_1(args: argparse.Namespace) -> bool:
+def wants_threads_1(args: argparse.Namespace, suite) -> bool:
+    """A default-thread CPU run gets the threads-1 child, unless the suite measures one thread
+    itself (``THREADS_1_BUILT_IN``: startup times each start both ways; cpu-peers keeps a
+    ``--threads 1`` run beside the all-cores one in its file)."""
     return (args.device == "cpu" and args.threads is None and not args.no_threads_1
-            and torch.get_num_threads() > 1)
+            and torch.get_num_threads() > 1 and not getattr(suite, "THREADS_1_BUILT_IN", False))
 
 
 def run_threads_1(args: argparse.Namespace) -> dict:
