@@ -78,7 +78,7 @@ def vec_isa_fingerprint(isa: Any) -> Optional[dict[str, Any]]:
         return None
     flags = list(isa.x86_isa_checker())
     return {"torch": torch.__version__, "cpu_flags": flags, "compiler": compiler,
-            "python": sys.executable,
+            "python": os.path.realpath(sys.executable),
             "candidates": [str(v) for v in isa.supported_vec_isa_list
                            if all(flag in flags for flag in str(v).split())]}
 

@@ -101,7 +101,8 @@ class ModelRunner:
             logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
                            capture.memory_bytes / 2**30, reserve / 2**30)
         self.startup = StartupReport(t1 - t0, weights.weights_bytes, t2 - t1, self.num_blocks,
-                                     self.num_blocks * self.spec.bytes_per_block, profile, t3 - t2, capture)
+                                     self.num_blocks * self.spec.bytes_per_block, profile, t3 - t2, capture,
+                                     _compile_source(self.compile_counters))
 
     # ------------------------------------------------------------------ startup phases
 
@@ -231,3 +232,14 @@ class ModelRunner:
         if out.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
         return StepResult(sampled, logprobs, prompt_logprobs, pooled)
+
+
+def _compile_source(counters: Optional[CompileCounters]) -> str:
+    """Where the compiled forward came from, for the startup line."""
+    if counters is None:
+        return ""
+    if counters.captured_graph == "loaded":
+        return "loaded from the compile cache"
+    if counters.inductor_compilations == 0 and counters.cache_loads:
+        return "traced, pieces loaded from the compile cache"
+    return "compiled"
