@@ -118,6 +118,14 @@ def test_no_record_without_a_cache_or_on_another_machine(isa, tmp_path, monkeypa
     assert not (tmp_path / VEC_ISA_FILE).exists()
 
 
+def test_a_users_own_vec_isa_ok_is_left_alone(isa, tmp_path):
+    from torch._inductor import config
+    _probe_then_remember(tmp_path)
+    isa.valid_vec_isa_list.cache_clear()
+    with config.patch({"cpp.vec_isa_ok": False}):
+        assert WarmLoadSettings(tmp_path).patches() == {}
+
+
 def test_an_unwritable_cache_is_not_an_error(isa, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

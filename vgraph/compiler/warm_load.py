@@ -69,9 +69,13 @@ def _compiler_identity() -> Optional[dict[str, Any]]:
 
 
 def vec_isa_fingerprint(isa: Any) -> Optional[dict[str, Any]]:
-    """Everything the probes' answer depends on, or None where Inductor does not probe
-    (not x86 Linux) or the compiler cannot be identified."""
+    """Everything the probes' answer depends on, or None where Inductor does not probe (not
+    x86 Linux, or the user decided with ``cpp.vec_isa_ok`` / TORCHINDUCTOR_VEC_ISA_OK) or the
+    compiler cannot be identified."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    from torch._inductor import config
+    if getattr(config.cpp, "vec_isa_ok", None) is not None:
         return None
     compiler = _compiler_identity()
     if compiler is None:
