@@ -49,7 +49,8 @@ class CompiledForward:
         cfg.recompile_limit = max(cfg.recompile_limit, _ENGINES_PER_PROCESS)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _ENGINES_PER_PROCESS)
         # Dynamo's wrapper, made when a trace needs it: a warm start that loads the captured
-        # graph never does (making it imports Dynamo's debugging backends, ~0.5 s).
+        # graph never does, so it sets up no Dynamo frame (cheap once Inductor's loader has
+        # been imported: a few ms; the modules it imports are mostly the loader's too).
         self._compiled: Optional[Callable] = None
         self.traced = False
         self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
