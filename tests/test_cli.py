@@ -1,6 +1,7 @@
 """The command line as a user meets it: real subprocesses, exit codes, no tracebacks."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -20,6 +21,26 @@ def vgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "vgraph.cli", *args], capture_output=True,
                           text=True, timeout=300, env=full_env)
+
+
+# Runs the CLI in-process and prints the modules it imported, for checks of what a path needs.
+_WITH_MODULES = ("import json, sys\nfrom vgraph.cli import main\nrc = main(sys.argv[1:])\n"
+                 "print('MODULES ' + json.dumps(sorted(sys.modules)))\nsys.exit(rc)")
+# What a warm `generate` must not import: the server stack, transformers' model code (vgraph
+# runs its own modules; transformers gives config and tokenizer), and Dynamo's frame wrapper
+# (made by torch.compile, which a start that loads the captured graph never calls).
+_NOT_ON_THE_GENERATE_PATH = ("vgraph.server", "fastapi", "uvicorn", "starlette", "openai",
+                             "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
+                             "torch._dynamo.repro.after_dynamo")
+
+
+def vgraph_modules(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(env or {})
+    result = subprocess.run([sys.executable, "-c", _WITH_MODULES, *args], capture_output=True, text=True,
+                            timeout=300, env=full_env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("MODULES ")]
+    return result, set(json.loads(lines[-1][len("MODULES "):])) if lines else set()
 
 
 def test_ops_list_names_every_op():
@@ -80,11 +101,16 @@ def test_compile_then_generate_loads_from_the_cache(tmp_path):
     assert " 0 compilations" not in compiled.stdout, "the first compile really compiles"
     listed = vgraph("cache", "list", env=env)
     assert listed.returncode == 0 and "1 entries" in listed.stdout
-    generated = vgraph("generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
-                       "--kv-cache-gib", "0.01", env=env)
+    assert (tmp_path / "vec-isa.json").is_file() or sys.platform != "linux", "Inductor's ISA probes recorded"
+    generated, modules = vgraph_modules("generate", "--prompt", "Hi", "--max-tokens", "4", "--device", "cpu",
+                                        "--kv-cache-gib", "0.01", env=env)
     assert generated.returncode == 0, generated.stderr
     assert "captured graph: saved" in compiled.stdout
     assert "no Dynamo trace, no Inductor compilation" in generated.stderr, "a fresh process loads, traces nothing"
+    assert "s after process start" in generated.stderr and "(loaded from the compile cache)" in generated.stderr
+    assert modules and "vgraph.engine.llm_engine" in modules
+    unwanted = [m for m in modules if m.startswith(_NOT_ON_THE_GENERATE_PATH)]
+    assert not unwanted, f"a warm generate imported {unwanted}"
     cleared = vgraph("cache", "clear", env=env)
     assert cleared.returncode == 0 and "removed 1" in cleared.stdout
 

@@ -23,6 +23,7 @@ from .cache import CompileCache
 from .counters import CompileCounters
 from .piece import PieceRunner, TokenDim, find_token_dim
 from .split import split_graph
+from .warm_load import WarmLoadSettings
 
 logger = logging.getLogger("vgraph")
 
@@ -105,6 +106,8 @@ class VgraphBackend:
         self.pending_capture: Optional[_PendingCapture] = None
         self._fingerprint: Optional[str] = None
         self._read_disk = config.use_cache and not _dumping(config)  # off after a cached entry failed too
+        #: The warm load's Inductor shortcuts (warm_load.py); None until a load looked for them.
+        self.warm_settings: Optional[WarmLoadSettings] = None
 
     def forget_misses(self) -> None:
         """Another process filled the cache meanwhile: look on disk again for what was missing."""
@@ -198,7 +201,11 @@ class VgraphBackend:
                            "compiling again", path, problem)
             return None
         split = record["split"]
-        if not captured.install_pieces(split, record["pieces"], self._load_artifact):
+        self.warm_settings = WarmLoadSettings(self.cache.root)
+        with torch._inductor.config.patch(self.warm_settings.patches()):
+            installed = captured.install_pieces(split, record["pieces"], self._load_artifact)
+        self.warm_settings.check_vec_isa()
+        if not installed:
             logger.info("captured graph found but some artifacts are missing; tracing with Dynamo")
             return None
         hashes = [r.piece_hash for r in record["pieces"].values()]
@@ -211,6 +218,14 @@ class VgraphBackend:
         direct = captured.DirectForward(split, record["sources"], model)
         self.cache.touch()
         return direct
+
+    def remember_warm_load(self) -> None:
+        """After the first forward worked (loaded or compiled): what the next warm load may
+        skip (warm_load.py). Nothing without a writable cache."""
+        if not self.config.use_cache or not self.cache.writable:
+            return
+        settings = self.warm_settings or WarmLoadSettings(self.cache.root)
+        settings.remember()
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:
         """Read once per start: the warm lookup and the cold save both need it."""

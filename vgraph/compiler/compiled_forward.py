@@ -48,7 +48,10 @@ class CompiledForward:
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, _ENGINES_PER_PROCESS)
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * _ENGINES_PER_PROCESS)
-        self._compiled = self._compile()
+        # Dynamo's wrapper, made when a trace needs it: a warm start that loads the captured
+        # graph never does, so it sets up no Dynamo frame (cheap once Inductor's loader has
+        # been imported: a few ms; the modules it imports are mostly the loader's too).
+        self._compiled: Optional[Callable] = None
         self.traced = False
         self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
@@ -72,13 +75,15 @@ class CompiledForward:
 
     def _first_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self._warm_call(input_ids, positions)
-        if out is not None:
-            return out
-        with self.backend.cache.compile_lock() as waited:
-            if waited:  # another process just compiled: its entry is most likely there now
-                self.backend.forget_misses()
-                out = self._warm_call(input_ids, positions)
-            return out if out is not None else self._compile_first(input_ids, positions)
+        if out is None:
+            with self.backend.cache.compile_lock() as waited:
+                if waited:  # another process just compiled: its entry is most likely there now
+                    self.backend.forget_misses()
+                    out = self._warm_call(input_ids, positions)
+                if out is None:
+                    out = self._compile_first(input_ids, positions)
+        self.backend.remember_warm_load()
+        return out
 
     def _compile_first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Traces and compiles (loading what artifacts the cache has); once more without the
@@ -117,6 +122,8 @@ class CompiledForward:
         self.backend.dynamo_started = time.perf_counter()
         self.backend.capture_context = (self.model, {"input_ids": input_ids, "positions": positions})
         try:
+            if self._compiled is None:
+                self._compiled = self._compile()
             out = self._compiled(input_ids, positions)
         finally:
             self.backend.capture_context = None

@@ -20,6 +20,7 @@ from ..worker.pooling import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.matcher import GrammarState
 from ..worker.runner import ModelRunner
+from ..worker.startup import engine_timeline, process_age
 from .detokenizer import IncrementalDetokenizer
 from .inputs import PromptType, check_prompt, prompt_to_ids
 from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
@@ -70,7 +71,7 @@ class LLMEngine:
     and steps them. ``self.config`` is the resolved copy; the caller's object is left as given."""
 
     def __init__(self, config: EngineConfig) -> None:
-        start = time.perf_counter()
+        start, before_engine = time.perf_counter(), process_age()
         path = demo_model_path(config.model.model) or resolve_model_path(config.model.model, config.model.revision)
         hf_config = load_hf_config(path)
         self.config = config.resolved(
@@ -80,6 +81,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = frozenset(load_generation_config(path))
         torch.manual_seed(self.config.model.seed)
+        config_and_tokenizer = time.perf_counter() - start
         self.runner = ModelRunner(self.config)
         # The limit requests are checked against: the configured one, or the KV cache's
         # capacity when that is smaller (the runner warns). /v1/models reports this one.
@@ -93,8 +95,11 @@ class LLMEngine:
                                    self.max_model_len)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, str] = {}
-        logger.info("startup: %s", self.runner.startup.timeline())
-        logger.info("engine ready in %.2f s", time.perf_counter() - start)
+        ready = time.perf_counter() - start
+        after_start = before_engine + ready if before_engine is not None else None
+        logger.info("startup: %s", engine_timeline(before_engine, config_and_tokenizer, self.runner.startup,
+                                                   after_start))
+        logger.info("engine ready in %.2f s", ready)
 
     # ------------------------------------------------------------------ requests
 

@@ -15,15 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from vgraph.ops import build_cpu_kernels
 
-from ..compiler.build import build_compiled_forward, log_compile_summary
-from ..compiler.cache import CompileCache
-from ..compiler.compiled_forward import MIN_TOKENS
 from ..compiler.counters import CompileCounters
 from ..config import CudaGraphMode, EngineConfig
 from ..core.scheduler import SchedulerOutput
@@ -38,6 +35,9 @@ from .pooling import PooledChunk, pooled_chunks
 from .prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
+
+if TYPE_CHECKING:
+    from ..compiler.cache import CompileCache
 
 logger = logging.getLogger("vgraph")
 
@@ -77,7 +77,7 @@ class ModelRunner:
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
         self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
-        min_tokens = MIN_TOKENS if config.compile.compiled else 1
+        min_tokens = _min_tokens(config)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
                                 config.scheduler.max_num_batched_tokens, min_tokens)
         profile = self._profile_memory()
@@ -95,13 +95,15 @@ class ModelRunner:
         self._warm_up()
         t3 = time.perf_counter()
         if self.compile_counters is not None:
+            from ..compiler.build import log_compile_summary
             log_compile_summary(self.compile_counters, self.compile_cache, t3 - t2)
         capture = replace(self._capture(), estimated_bytes=reserve)
         if 0 < reserve < capture.memory_bytes:  # 0: KV size given, nothing reserved
             logger.warning("CUDA graphs took %.3f GiB, more than the %.3f GiB reserved for them",
                            capture.memory_bytes / 2**30, reserve / 2**30)
         self.startup = StartupReport(t1 - t0, weights.weights_bytes, t2 - t1, self.num_blocks,
-                                     self.num_blocks * self.spec.bytes_per_block, profile, t3 - t2, capture)
+                                     self.num_blocks * self.spec.bytes_per_block, profile, t3 - t2, capture,
+                                     _compile_source(self.compile_counters))
 
     # ------------------------------------------------------------------ startup phases
 
@@ -161,11 +163,13 @@ class ModelRunner:
                     blocks * self.spec.bytes_per_block / 2**30, max_model_len, tokens / max_model_len)
         return blocks
 
-    def _compiled_forward(self) -> tuple[Forward, Optional[CompileCounters], Optional[CompileCache]]:
+    def _compiled_forward(self) -> tuple[Forward, Optional[CompileCounters], Optional["CompileCache"]]:
         """The compiled forward (traced or loaded at its first call: the warm-up), or the
-        eager module."""
+        eager module. The compiler is imported here: it brings Inductor and Dynamo (~1.5 s),
+        which an eager engine never uses."""
         if not self.config.compile.compiled:
             return self.model, None, None
+        from ..compiler.build import build_compiled_forward
         return build_compiled_forward(self.model, self.config, self.hf_config, self.device)
 
     @torch.inference_mode()
@@ -231,3 +235,22 @@ class ModelRunner:
         if out.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
         return StepResult(sampled, logprobs, prompt_logprobs, pooled)
+
+
+def _compile_source(counters: Optional[CompileCounters]) -> str:
+    """Where the compiled forward came from, for the startup line."""
+    if counters is None:
+        return ""
+    if counters.captured_graph == "loaded":
+        return "loaded from the compile cache"
+    if counters.inductor_compilations == 0 and counters.cache_loads:
+        return "traced, pieces loaded from the compile cache"
+    return "compiled"
+
+
+def _min_tokens(config: EngineConfig) -> int:
+    """The fewest rows a forward takes: the compiled one needs two (compiled_forward.py)."""
+    if not config.compile.compiled:
+        return 1
+    from ..compiler.compiled_forward import MIN_TOKENS
+    return MIN_TOKENS
