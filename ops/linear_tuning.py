@@ -15,14 +15,16 @@ torch version) in the kernel cache directory, so a warm start does not measure a
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import time
 from dataclasses import asdict, dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,25 @@ def _write_cache(path: Path, entries: dict[str, dict]) -> None:
         logger.debug("could not cache the prefill GEMM choice in %s: %s", path, exc)
 
 
+@contextmanager
+def _machine_lock(path: Path) -> Iterator[None]:
+    """One process at a time measures: processes starting together (a server's replicas, a
+    test's concurrent starts) then share one choice, so they build the same model and the
+    same compiled graph, instead of each timing the GEMMs while the others load the cores."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a+")
+    except OSError:  # an unwritable cache: measure unlocked, as the write will fail anyway
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def choose_prefill_kernels(shapes: Iterable[tuple[int, int]]) -> dict[tuple[int, int], ShapeChoice]:
     """The prefill GEMM for each ``(out_features, in_features)``: cached, forced, or measured."""
     forced = forced_kernel()
@@ -128,17 +149,17 @@ def choose_prefill_kernels(shapes: Iterable[tuple[int, int]]) -> dict[tuple[int,
     if forced is not None:
         return {s: ShapeChoice(*s, float("nan"), float("nan"), forced) for s in shapes}
     path = _cache_file()
+    keys = {shape: f"{shape[0]}x{shape[1]}" for shape in shapes}
     cached = _read_cache(path)
-    choices, measured = {}, False
-    for shape in shapes:
-        key = f"{shape[0]}x{shape[1]}"
-        if key not in cached:
-            cached[key] = asdict(measure_shape(*shape))
-            measured = True
-        choices[shape] = ShapeChoice(**cached[key])
-    if measured:
-        _write_cache(path, cached)
-    return choices
+    if any(key not in cached for key in keys.values()):
+        with _machine_lock(path):
+            cached = _read_cache(path)  # another process may have measured while we waited
+            missing = [shape for shape, key in keys.items() if key not in cached]
+            for shape in missing:
+                cached[keys[shape]] = asdict(measure_shape(*shape))
+            if missing:
+                _write_cache(path, cached)
+    return {shape: ShapeChoice(**cached[key]) for shape, key in keys.items()}
 
 
 def describe(choices: dict[tuple[int, int], ShapeChoice]) -> str:

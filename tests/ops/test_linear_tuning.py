@@ -86,3 +86,33 @@ def test_the_lm_head_is_never_timed(kernel_cache, monkeypatch):
     decoder = {(m.out_features, m.in_features) for n, m in model.named_modules()
                if isinstance(m, PackedLinear) and n != "lm_head"}
     assert isinstance(model.lm_head, PackedLinear) and set(timed) == decoder
+
+
+def test_processes_starting_together_share_one_measurement(kernel_cache):
+    """Four processes at once: one measures under the lock, the others read its choice."""
+    import subprocess
+    import sys
+
+    code = ("import json, vgraph.ops; from vgraph.ops import linear_tuning as t; "
+            "c = t.choose_prefill_kernels([(64, 32), (96, 32)]); "
+            "print(json.dumps({f'{k[0]}x{k[1]}': v.packed_ms for k, v in c.items()}))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outputs = {p.communicate(timeout=300)[0] for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outputs) == 1, "every process used the same measured choice"
+
+
+def test_a_dense_weight_changes_the_compile_layout(monkeypatch):
+    from tests.checkpoints import tiny_checkpoint
+    from vgraph.compiler.build import linear_packing, model_layout
+    from vgraph.config import ModelConfig
+    from vgraph.models.loader import load_model
+
+    path = tiny_checkpoint(arch="llama")
+    layouts = {}
+    for kernel in ("packed", "blas"):
+        monkeypatch.setenv(linear_tuning.ENV_SWITCH, kernel)
+        model = load_model(ModelConfig(path), "cpu")[0]
+        layouts[kernel] = model_layout(model)
+        assert linear_packing(model) == "packed"
+    assert layouts["packed"] != layouts["blas"] and "PackedLinear+dense" in layouts["blas"]

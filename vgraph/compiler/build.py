@@ -33,15 +33,17 @@ def build_pass_manager(config: EngineConfig) -> Optional[Any]:
 
 
 def model_layout(model: torch.nn.Module) -> dict[str, int]:
-    """How many modules of each class the model was built with. Loading can swap modules
+    """How many modules of each kind the model was built with. Loading can swap modules
     (packed linears on CPU unless ``VGRAPH_CPU_LINEAR=torch`` or the C++ kernel is missing,
-    fp8 linears): the same config.json then traces another graph over other weights."""
-    return dict(sorted(Counter(type(m).__name__ for m in model.modules()).items()))
+    fp8 linears) or give them other inputs (a packed linear keeping its unpacked weight for
+    BLAS prefill): the same config.json then traces another graph over other weights. A
+    module names its variant with ``layout_name``, else its class name counts."""
+    return dict(sorted(Counter(getattr(m, "layout_name", type(m).__name__) for m in model.modules()).items()))
 
 
 def linear_packing(model: torch.nn.Module) -> str:
     """``packed`` when the projections run vgraph's packed GEMM, else ``plain``."""
-    return "packed" if "PackedLinear" in model_layout(model) else "plain"
+    return "packed" if any(name.startswith("PackedLinear") for name in model_layout(model)) else "plain"
 
 
 def config_key(config: EngineConfig, hf_config: Any, dtype: torch.dtype, pass_uuid: Optional[str],

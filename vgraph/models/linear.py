@@ -87,6 +87,11 @@ class PackedLinear(nn.Module):
     def weight(self) -> Tensor:
         return unpack_weight(self.weight_packed.data, self.out_features)
 
+    @property
+    def layout_name(self) -> str:
+        """Its kind in the compile cache key (the dense weight is one more graph input)."""
+        return "PackedLinear+dense" if self.weight_dense is not None else "PackedLinear"
+
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.vgraph.packed_linear(x, self.weight_packed, self.bias, self.out_features,
                                               self.weight_dense)
