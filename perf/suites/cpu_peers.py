@@ -127,6 +127,7 @@ class Model:
     build: Callable[[str], str]
     rounds: int
     skip: dict = field(default_factory=dict)  # system name -> why it does not run on this model
+    max_rounds: dict = field(default_factory=dict)  # system name -> fewer rounds than ``rounds``
 
 
 def _build_llama(path: str) -> str:
@@ -143,7 +144,10 @@ def _build_qwen(path: str) -> str:
 
 MODELS: tuple[Model, ...] = (
     Model("llama-24m", "build_perf_checkpoint(seed=0): Llama, hidden 512, 8 layers, vocab 512, llama3 RoPE",
-          _build_llama, rounds=3),
+          _build_llama, rounds=3,
+          # Its warm-up compiles both timed shapes (two untimed full runs): one round keeps the
+          # suite's time in bounds; it is an extra row, not a contender.
+          max_rounds={"transformers_static_compile": 1}),
     # Two rounds: one round of every engine takes ~13 min on the 2-core machine.
     Model("qwen2-0.5b-shape", "Qwen2, hidden 896, 24 layers, 14/2 heads, intermediate 4864, vocab 32000, "
           "random weights", _build_qwen, rounds=2,
@@ -243,7 +247,7 @@ def measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict
     failed: dict[str, str] = {}
     for r in range(rounds):
         for system in SYSTEMS:
-            if system.name not in ready or system.name in failed:
+            if system.name not in ready or system.name in failed or r >= model.max_rounds.get(system.name, rounds):
                 continue
             python, model_dir = ready[system.name]
             try:
@@ -328,14 +332,14 @@ def run(device: str, quick: bool = False) -> dict:
     key = run_key(threads)
     runs = previous_runs(quick, key)
     runs[key] = {"threads": threads or os.cpu_count(), "threads_setting": "default (all cores)" if threads is None
-                 else f"--threads {threads}", "models": results, "wall_s": time.perf_counter() - start}
+                 else f"--threads {threads}", "models": results, "wall_s": time.perf_counter() - start,
+                 "loadavg_before_after": [load_before, os.getloadavg()], "git": git}
     return {"suite": "cpu-peers", "headline": "all_cores",
             "config": {**asdict(w), "prompt_seed": PROMPT_SEED, "prompt_ids": f"uniform in [{FIRST_REGULAR_ID}, {TOKENIZER_VOCAB})",
                        "greedy": True, "ignore_eos": True, "dtype": "float32", "reference": REFERENCE,
                        "systems": {s.name: {"engine": s.engine, "options": s.options, "fp32": s.fp32, "note": s.note}
                                    for s in SYSTEMS},
-                       "peers": {name: {k: v for k, v in st.items() if k != "python"} for name, st in peers.items()},
-                       "loadavg_before_after": [load_before, os.getloadavg()], "git": git},
+                       "peers": {name: {k: v for k, v in st.items() if k != "python"} for name, st in peers.items()}},
             "runs": runs}
 
 
@@ -356,15 +360,15 @@ def summarize(result: dict) -> str:
 def _model_lines(m: dict) -> list[str]:
     lines = [f" {m['model']}: {m['prompt_tokens']} prompt tokens, {m['generated_tokens']} generated, "
              f"{m['rounds']} round(s)",
-             f"  {'system':<29}{'prefill':>9}{'decode':>9}{'total':>9}  {'vgraph/x':>8}  {'agree':>6} {'prompts':>8}",
-             f"  {'':<29}{'tok/s':>9}{'tok/s':>9}{'tok/s':>9}  {'(total)':>8}"]
+             f"  {'system':<36}{'prefill':>9}{'decode':>9}{'total':>9}  {'vgraph/x':>8}  {'agree':>6} {'prompts':>8}",
+             f"  {'':<36}{'tok/s':>9}{'tok/s':>9}{'tok/s':>9}  {'(total)':>8}"]
     base = m["systems"].get("vgraph", {}).get("tok_s", {}).get("generated")
     for name, s in m["systems"].items():
         t, a = s["tok_s"], s.get("agreement_vs_transformers")
         ratio = f"{base / t['generated']:8.2f}" if base else f"{'-':>8}"
         agree = f"{a['token_agreement'] * 100:5.1f}% {a['prompts_equal']:>3}/{a['prompts']:<4}" if a else "-"
         label = name + ("" if s["fp32"] else " (not fp32)")
-        lines.append(f"  {label:<29}{t['prefill']:9.0f}{t['decode']:9.0f}{t['generated']:9.1f}  {ratio}  {agree}")
+        lines.append(f"  {label:<36}{t['prefill']:9.0f}{t['decode']:9.0f}{t['generated']:9.1f}  {ratio}  {agree}")
     lines += [f"  skipped {name}: {why}" for name, why in m["skipped"].items()]
     lines += [f"  {name} stopped early: {why}" for name, why in m.get("failures", {}).items()]
     return lines
@@ -389,7 +393,9 @@ def plot(result: dict) -> Any:
         ax.set_xticks(range(len(models)), [m["model"] for m in models])
         ax.set_yscale("log")
         ax.set_title(f"{metric} tok/s", fontsize=10)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.subplots_adjust(bottom=0.25)
     machine = result.get("machine", {})
     fig.suptitle(f"cpu-peers, {run_['threads_setting']} ({run_['threads']} threads), fp32 greedy "
                  f"({machine.get('date', '')[:10]})", fontsize=10)
