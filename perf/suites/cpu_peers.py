@@ -69,7 +69,7 @@ PROMPT_SEED = 0
 FIRST_REGULAR_ID = 6  # ids 0..5: <s>, </s>, <pad> and the role tokens of the demo tokenizer
 TOKENIZER_VOCAB = 512  # the demo tokenizer's size: prompts stay inside it for every model
 PAD_ID = 2
-RUN_TIMEOUT_S = 1800
+RUN_TIMEOUT_S = float(os.environ.get("VGRAPH_PERF_PEERS_TIMEOUT", 1800))  # one engine process, seconds
 REFERENCE = "transformers"
 
 
@@ -238,10 +238,39 @@ def prepare(model: Model, systems: tuple[System, ...], peers: dict) -> tuple[str
     return checkpoint, ready, skipped
 
 
+def rounds_override(model: str) -> Optional[int]:
+    """``VGRAPH_PERF_PEERS_ROUNDS``: "2" (every model) or "llama-24m=3,qwen2-0.5b-shape=1"."""
+    spec = os.environ.get("VGRAPH_PERF_PEERS_ROUNDS", "").strip()
+    if not spec:
+        return None
+    if "=" not in spec:
+        return int(spec)
+    pairs = dict(item.split("=", 1) for item in spec.split(","))
+    return int(pairs[model]) if model in pairs else None
+
+
+def saved_model_path(key: str, model: str, w: Workload) -> Any:
+    """Where a finished model's result is kept, so a stopped run resumes after it
+    (``VGRAPH_PERF_PEERS_RESUME=1``)."""
+    tag = f"{key}-{model}-{w.num_prompts}x{w.min_len}-{w.max_len}+{w.max_new_tokens}-s{w.seed}"
+    return envs.cache_root() / "runs" / f"{tag}.json"
+
+
 def measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool) -> dict:
+    saved = saved_model_path(run_key(threads), model.name, w)
+    if os.environ.get("VGRAPH_PERF_PEERS_RESUME") == "1" and saved.is_file():
+        print(f"  {model.name}: reusing the finished result in {saved}", flush=True)
+        return json.loads(saved.read_text())
+    result = _measure_model(model, w, threads, peers, quick)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(result))
+    return result
+
+
+def _measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool) -> dict:
     prompts = make_prompts(w)
     checkpoint, ready, skipped = prepare(model, SYSTEMS, peers)
-    rounds = 1 if quick else model.rounds
+    rounds = 1 if quick else (rounds_override(model.name) or model.rounds)
     samples: dict[str, list[dict]] = {name: [] for name in ready}
     last: dict[str, dict] = {}
     failed: dict[str, str] = {}
