@@ -26,6 +26,7 @@ from typing import Any, Callable
 Tokens = list[list[int]]
 
 OV_FP32 = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+ORT_MAX_BATCH = 32
 OV_PROPERTIES = ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
                  "INFERENCE_NUM_THREADS", "NUM_STREAMS", "PERFORMANCE_HINT")
 
@@ -153,6 +154,16 @@ class OrtGenAIEngine:
         self.threads = spec["threads"]
 
     def generate(self, prompts: Tokens, n: int) -> Tokens:
+        """Batches of at most ORT_MAX_BATCH prompts (its generator refuses more: "batch_size
+        (64) must be in [1, 32]"), longest first so each batch pads little."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: dict[int, list[int]] = {}
+        for start in range(0, len(order), ORT_MAX_BATCH):
+            chunk = order[start:start + ORT_MAX_BATCH]
+            out.update(zip(chunk, self._generate_batch([prompts[i] for i in chunk], n)))
+        return [out[i] for i in range(len(prompts))]
+
+    def _generate_batch(self, prompts: Tokens, n: int) -> Tokens:
         import numpy as np
 
         width = max(len(p) for p in prompts)
@@ -170,7 +181,7 @@ class OrtGenAIEngine:
     def info(self) -> dict:
         import onnxruntime
         return {"onnxruntime_genai": self.og.__version__, "onnxruntime": onnxruntime.__version__,
-                "intra_op_num_threads": self.threads or "default (all cores)", "padding": "right, pad id"}
+                "intra_op_num_threads": self.threads or "default (all cores)", "padding": "right, pad id", "max_batch": ORT_MAX_BATCH}
 
 
 class CT2Engine:

@@ -256,26 +256,69 @@ def saved_model_path(key: str, model: str, w: Workload) -> Any:
     return envs.cache_root() / "runs" / f"{tag}.json"
 
 
+def selected_systems() -> Optional[set[str]]:
+    """``VGRAPH_PERF_PEERS_SYSTEMS=a,b``: measure only these rows (with ``VGRAPH_PERF_PEERS_RESUME=1``
+    they replace the same rows of the kept result, e.g. after fixing one engine's run)."""
+    names = os.environ.get("VGRAPH_PERF_PEERS_SYSTEMS", "").strip()
+    if not names:
+        return None
+    wanted = set(names.split(","))
+    unknown = wanted - {s.name for s in SYSTEMS}
+    if unknown:
+        raise ValueError(f"VGRAPH_PERF_PEERS_SYSTEMS: unknown systems {sorted(unknown)}")
+    return wanted
+
+
 def measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool) -> dict:
+    """One model's result; kept in the cache (with transformers' tokens, the agreement reference)
+    so that a stopped run resumes after it, and single rows can be re-measured into it."""
     saved = saved_model_path(run_key(threads), model.name, w)
-    if os.environ.get("VGRAPH_PERF_PEERS_RESUME") == "1" and saved.is_file():
+    only = selected_systems()
+    prior = json.loads(saved.read_text()) if os.environ.get("VGRAPH_PERF_PEERS_RESUME") == "1" and saved.is_file() else None
+    if prior is not None and "result" not in prior:  # kept without its reference tokens
+        prior = {"result": prior}
+    if prior is not None and only is None:
         print(f"  {model.name}: reusing the finished result in {saved}", flush=True)
-        return json.loads(saved.read_text())
-    result = _measure_model(model, w, threads, peers, quick)
+        return prior["result"]
+    reference = prior.get("reference") if prior else None
+    run_names = set(only or {s.name for s in SYSTEMS}) | ({REFERENCE} if reference is None else set())
+    result, new_reference = _measure_model(model, w, threads, peers, quick,
+                                           tuple(s for s in SYSTEMS if s.name in run_names), reference)
+    if prior is not None:
+        result = merge_rows(prior["result"], result, only or set())
     saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(result))
+    saved.write_text(json.dumps({"result": result, "reference": reference or new_reference}))
     return result
 
 
-def _measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool) -> dict:
+def merge_rows(old: dict, new: dict, names: set[str]) -> dict:
+    """``old`` with the rows ``names`` taken from ``new`` (re-measured separately: marked so)."""
+    merged = {**old, "systems": dict(old["systems"]), "skipped": dict(old["skipped"]),
+              "failures": dict(old.get("failures", {}))}
+    for name in names:
+        for part in ("skipped", "failures"):
+            merged[part].pop(name, None)
+            if name in new[part]:
+                merged[part][name] = new[part][name]
+        merged["systems"].pop(name, None)
+        if name in new["systems"]:
+            merged["systems"][name] = {**new["systems"][name], "measured_separately": True}
+    order = [s.name for s in SYSTEMS]
+    merged["systems"] = dict(sorted(merged["systems"].items(), key=lambda kv: order.index(kv[0])))
+    merged["ratios"] = ratios(merged["systems"])
+    return merged
+
+
+def _measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool,
+                   systems: tuple[System, ...], reference: Optional[Tokens]) -> tuple[dict, Optional[Tokens]]:
     prompts = make_prompts(w)
-    checkpoint, ready, skipped = prepare(model, SYSTEMS, peers)
+    checkpoint, ready, skipped = prepare(model, systems, peers)
     rounds = 1 if quick else (rounds_override(model.name) or model.rounds)
     samples: dict[str, list[dict]] = {name: [] for name in ready}
     last: dict[str, dict] = {}
     failed: dict[str, str] = {}
     for r in range(rounds):
-        for system in SYSTEMS:
+        for system in systems:
             if system.name not in ready or system.name in failed or r >= model.max_rounds.get(system.name, rounds):
                 continue
             python, model_dir = ready[system.name]
@@ -293,17 +336,19 @@ def _measure_model(model: Model, w: Workload, threads: Optional[int], peers: dic
                   f"total {out['total_s']:.2f} s (load {out['load_s']:.1f} s)", flush=True)
     skipped.update({name: why for name, why in failed.items() if not samples[name]})
     failures = {name: why for name, why in failed.items() if samples[name]}
-    return model_result(model, checkpoint, prompts, w, rounds, samples, last, skipped, failures)
+    reference = reference or last.get(REFERENCE, {}).get("tokens")
+    return (model_result(model, checkpoint, prompts, w, rounds, samples, last, skipped, failures, reference),
+            reference)
 
 
 def model_result(model: Model, checkpoint: str, prompts: Tokens, w: Workload, rounds: int,
                  samples: dict[str, list[dict]], last: dict[str, dict], skipped: dict,
-                 failures: Optional[dict] = None) -> dict:
+                 failures: Optional[dict] = None, reference: Optional[Tokens] = None) -> dict:
     """One model's rows: medians, tok/s, agreement with transformers; ``skipped``: systems that
     never ran (why); ``failures``: systems that failed after some rounds (their medians are over
     the rounds they finished)."""
     prompt_tokens = sum(len(p) for p in prompts)
-    reference = last.get(REFERENCE, {}).get("tokens")
+    reference = reference or last.get(REFERENCE, {}).get("tokens")
     systems = {}
     for system in SYSTEMS:
         if not samples.get(system.name):

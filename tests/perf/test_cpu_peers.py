@@ -120,3 +120,19 @@ def test_conversions_are_cached_by_checkpoint_contents(tmp_path, monkeypatch):
     (ckpt / "config.json").write_text('{"changed": 1}')
     out3, _ = envs.ensure_converted(peer, str(ckpt), envs.checkpoint_hash(str(ckpt)))
     assert out3 != out1 and len(calls) == 2
+
+
+def test_a_row_measured_again_replaces_the_kept_one():
+    fast, slow = {"prefill_s": 0.5, "total_s": 1.0, "load_s": 1}, {"prefill_s": 1.0, "total_s": 2.0, "load_s": 1}
+    ref = [[1, 2], [3, 4]]
+    old = _fake_result({"vgraph": [fast], "transformers": [slow]}, {"vgraph": ref, "transformers": ref})
+    new = _fake_result({"onnxruntime_genai": [slow]}, {"onnxruntime_genai": ref})
+    m_old = old["runs"]["all_cores"]["models"]["llama-24m"]
+    m_new = new["runs"]["all_cores"]["models"]["llama-24m"]
+    m_old["failures"]["onnxruntime_genai"] = "failed in round 1"
+    merged = cpu_peers.merge_rows(m_old, m_new, {"onnxruntime_genai"})
+    assert list(merged["systems"]) == ["vgraph", "transformers", "onnxruntime_genai"]
+    assert merged["systems"]["onnxruntime_genai"]["measured_separately"] is True
+    assert "onnxruntime_genai" not in merged["skipped"]
+    assert merged["ratios"]["onnxruntime_genai"]["generated"] == 2.0
+    assert "onnxruntime_genai" not in m_old["systems"]  # the kept result is not modified
