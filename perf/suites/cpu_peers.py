@@ -269,6 +269,14 @@ def selected_systems() -> Optional[set[str]]:
     return wanted
 
 
+def kept_result(key: str, model: str, w: Workload) -> Optional[dict]:
+    saved = saved_model_path(key, model, w)
+    if os.environ.get("VGRAPH_PERF_PEERS_RESUME") != "1" or not saved.is_file():
+        return None
+    kept = json.loads(saved.read_text())
+    return kept["result"] if "result" in kept else kept
+
+
 def measure_model(model: Model, w: Workload, threads: Optional[int], peers: dict, quick: bool) -> dict:
     """One model's result; kept in the cache (with transformers' tokens, the agreement reference)
     so that a stopped run resumes after it, and single rows can be re-measured into it."""
@@ -399,10 +407,13 @@ def run(device: str, quick: bool = False) -> dict:
     peers: dict = {}
     models = [m for m in MODELS if not quick or m.name == "llama-24m"]
     wanted = os.environ.get("VGRAPH_PERF_PEERS_MODELS")
-    if wanted:
-        models = [m for m in models if m.name in wanted.split(",")]
     start = time.perf_counter()
-    results = {m.name: measure_model(m, w, threads, peers, quick) for m in models}
+    results = {}
+    for m in models:
+        if not wanted or m.name in wanted.split(","):
+            results[m.name] = measure_model(m, w, threads, peers, quick)
+        elif (kept := kept_result(run_key(threads), m.name, w)) is not None:
+            results[m.name] = kept  # not selected: the kept result stays in the file (RESUME=1)
     key = run_key(threads)
     runs = previous_runs(quick, key)
     runs[key] = {"threads": threads or os.cpu_count(), "threads_setting": "default (all cores)" if threads is None
