@@ -69,7 +69,7 @@ PROMPT_SEED = 0
 FIRST_REGULAR_ID = 6  # ids 0..5: <s>, </s>, <pad> and the role tokens of the demo tokenizer
 TOKENIZER_VOCAB = 512  # the demo tokenizer's size: prompts stay inside it for every model
 PAD_ID = 2
-RUN_TIMEOUT_S = float(os.environ.get("VGRAPH_PERF_PEERS_TIMEOUT", 1800))  # one engine process, seconds
+RUN_TIMEOUT_S = 1800.0  # one engine process, seconds (VGRAPH_PERF_PEERS_TIMEOUT overrides)
 REFERENCE = "transformers"
 
 
@@ -191,6 +191,16 @@ def timing_summary(samples: list[dict], prompt_tokens: int, num_prompts: int, ma
 # ----------------------------------------------------------------------------- running
 
 
+def run_timeout(system: str) -> float:
+    """``VGRAPH_PERF_PEERS_TIMEOUT``: "600" (every engine process) or "600,ctranslate2=300"."""
+    timeout = RUN_TIMEOUT_S
+    for item in filter(None, os.environ.get("VGRAPH_PERF_PEERS_TIMEOUT", "").split(",")):
+        name, _, value = item.rpartition("=")
+        if name in ("", system):
+            timeout = float(value)
+    return timeout
+
+
 def run_engine(system: System, python: str, model_dir: str, prompts: Tokens, w: Workload,
                threads: Optional[int], info: bool) -> dict:
     """One process of the runner for this system; raises RuntimeError with its stderr tail."""
@@ -201,7 +211,7 @@ def run_engine(system: System, python: str, model_dir: str, prompts: Tokens, w: 
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         proc = subprocess.run([python, "-m", "perf.peers.runner", spec_path, out_path], cwd=envs.REPO,
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                              capture_output=True, text=True, timeout=run_timeout(system.name))
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
             raise RuntimeError(f"exit {proc.returncode}: " + " | ".join(lines[-4:])[-800:])
