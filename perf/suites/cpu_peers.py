@@ -35,13 +35,15 @@ found where an engine fell short (details in perf/peers/):
   the 24M model has vocab == hidden == 512, so the stock export computes logits from inside the
   layer stack (1/256 tokens equal). The suite builds with that check corrected
   (perf/peers/ort_build.py); the logits then equal transformers to 1e-6. Its CPU attention also
-  needs right-padded batches (left padding: 22/256 equal; right: 256/256).
+  needs right-padded batches (left padding: 22/256 equal; right: 256/256), and its generator
+  takes at most 32 sequences, so 64 prompts run as two batches, longest first.
 - CTranslate2 4.8.5 does not apply Llama-3.1 ("llama3") RoPE scaling the way transformers does:
   its logits equal transformers *with the scaling removed* (0.0 difference over 12 positions), so
   on the 24M Llama (llama3 scaling, original context 64) every token after the first can drift.
   Nothing in the converted model fixes it (setting ``original_max_position_embeddings`` in the
   spec changed nothing); its rows on that model compute a slightly different model, said so in
-  the results. The Qwen2 model uses plain RoPE.
+  the results. The Qwen2 model uses plain RoPE. Its OpenMP threads also stall when another
+  process shares the cores (a 2-core quick run: 130 prefill tok/s vs ONNX Runtime's 942).
 - transformers itself, batched with left padding, is the reference; vgraph equals it on the
   offline suite's prompts. Random-weight models have near-tied logits, so one flipped argmax
   changes the rest of that prompt: the prefix agreement (mean fraction before the first
