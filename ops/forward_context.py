@@ -7,6 +7,7 @@ context around each forward and ``vgraph::unified_attention`` reads it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Protocol, Sequence
 
@@ -63,20 +64,29 @@ class ForwardContext:
     memo: dict[Any, Any] = field(default_factory=dict)
 
 
-_current: Optional[ForwardContext] = None
+class _Current(threading.local):
+    """The forward running on this thread. Per thread, because data-parallel replicas in one
+    process (``vgraph serve --data-parallel-size``) run their forwards on their own threads
+    at the same time, each with its own metadata and KV caches."""
+
+    context: Optional[ForwardContext] = None
+
+
+_current = _Current()
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = _current.context
+    if ctx is None:
         raise RuntimeError(
             "vgraph::unified_attention ran outside a forward context; wrap the forward in "
             "vgraph.ops.forward_context.set_forward_context(...)")
-    return _current
+    return ctx
 
 
 def current_forward_context() -> Optional[ForwardContext]:
-    """The context of the forward running now, or None outside one."""
-    return _current
+    """The context of the forward running now on this thread, or None outside one."""
+    return _current.context
 
 
 def metadata_memo(block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -88,7 +98,7 @@ def metadata_memo(block_table: torch.Tensor, query_start_loc: torch.Tensor,
     context, and every layer of the forward would repeat it. Identity, not equality, is
     checked, so any other caller gets None and computes its own.
     """
-    ctx = _current
+    ctx = _current.context
     if ctx is None:
         return None
     meta = ctx.attn_metadata
@@ -100,11 +110,10 @@ def metadata_memo(block_table: torch.Tensor, query_start_loc: torch.Tensor,
 
 @contextlib.contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    global _current
-    previous, _current = _current, ctx
+    previous, _current.context = _current.context, ctx
     ctx.memo.clear()  # one entry is one forward: a context re-entered (a graph body run
     try:              # again over buffers refilled in place) must not see the last plans
         yield ctx
     finally:
         ctx.memo.clear()
-        _current = previous
+        _current.context = previous

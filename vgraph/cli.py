@@ -390,6 +390,11 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30.0)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (off by default)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="independent engine replicas (each its own scheduler, model copy and KV cache) behind "
+                        "this one server, requests routed to the least loaded one, or to the one that served "
+                        "their prompt prefix; each gets 1/N of the CPU threads, and --max-queue-len and "
+                        "--kv-cache-gib apply to each (default: 1)")
 
 
 def _add_serve_deferred(p: argparse.ArgumentParser) -> None:
@@ -456,7 +461,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     Everything that can be wrong with the command line is checked first, then the port is
     bound; only then does the model load (on the engine thread, /health 503 meanwhile)."""
     for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
-                             ("--shutdown-timeout", args.shutdown_timeout, 0)):
+                             ("--shutdown-timeout", args.shutdown_timeout, 0),
+                             ("--data-parallel-size", args.data_parallel_size, 1)):
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.port > 65535:
@@ -480,13 +486,62 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
                                             "is loaded)", f"[{host}]" if ":" in host else host, port)
 
-    def build_engine():
-        """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
-        return _llm_from_args(args, kwargs).engine
-
+    engine = _serve_engine(args, kwargs, settings.max_queue_len)
     with sock:
-        return serve(settings, build_engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
+        return serve(settings, engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                      log_level=args.log_level, access_log=args.access_log, sockets=[sock])
+
+
+def _serve_engine(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int]) -> Any:
+    """The engine ``serve`` runs: one ``AsyncEngine``, or with ``--data-parallel-size N`` a
+    ``DataParallelEngine`` over N of them, each on its own thread with its own ``LLMEngine``.
+
+    The replicas share this process's CPU threads, so torch gets ``cores // N`` of them (one
+    pool, each replica's parallel regions sized to its share), and they are built one at a
+    time: loading and compiling touch process-wide state (Dynamo, the compile cache)."""
+    from vgraph.engine.async_engine import AsyncEngine
+    size = args.data_parallel_size
+    if size == 1:
+        def build_engine():
+            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
+            return _llm_from_args(args, kwargs).engine
+
+        return AsyncEngine(build_engine, max_queue_len=max_queue_len)
+    import threading
+
+    import torch
+
+    from vgraph.engine.dp_engine import data_parallel
+    devices = _replica_devices(kwargs["device"], size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // size))
+    building = threading.Lock()
+
+    def replica_builder(device: str) -> Callable[[], Any]:
+        def build_replica():
+            with building:
+                return _llm_from_args(args, {**kwargs, "device": device}).engine
+        return build_replica
+
+    replicas = [AsyncEngine(replica_builder(device), max_queue_len=max_queue_len) for device in devices]
+    return data_parallel(replicas, kwargs["block_size"])
+
+
+def _replica_devices(device: str, size: int) -> list[str]:
+    """The device of each data-parallel replica: on CUDA one GPU each (``cuda:0`` ..), on CPU
+    the CPU for all (they split its threads)."""
+    import torch
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return ["cpu"] * size
+    if device != "cuda":
+        raise UserError(f"--data-parallel-size {size} places replica i on cuda:i; --device {device} names a "
+                        "single GPU (use --device cuda)")
+    found = torch.cuda.device_count()
+    if found < size:
+        raise UserError(f"--data-parallel-size {size} needs {size} GPUs (one per replica), found {found}")
+    return [f"cuda:{index}" for index in range(size)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -90,12 +90,13 @@ class ServerProcess:
         return out
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
-        """Waits until nothing runs or waits and no KV block is held; returns the metrics."""
+        """Waits until nothing runs or waits and no KV block is held (the server's totals over
+        its replicas, in the router-facing gauges); returns the metrics."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if (m["vgraph:num_requests_running"] == 0 and m["vgraph:num_requests_waiting"] == 0
-                    and m["vgraph:kv_cache_usage_perc"] == 0):
+            if (m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+                    and m["vllm:kv_cache_usage_perc"] == 0):
                 return m
             if time.monotonic() > deadline:
                 raise AssertionError(f"the server did not go idle: {m}")

@@ -16,13 +16,15 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
-from vgraph.server import lifecycle, routes_misc
+from vgraph import cli
+from vgraph.server import routes_misc
 
 _SETTINGS = json.loads(os.environ.get("VGRAPH_TEST_SETTINGS", "{}"))
 _FAULT = os.environ.get("VGRAPH_TEST_TOKENIZER_FAULT")
-_build_app = lifecycle.build_app
+_server_settings = cli._server_settings
+_llm_from_args = cli._llm_from_args
 
 
 class _Unserializable:
@@ -40,17 +42,19 @@ def _faulty_tokenizer_class(cls: type) -> None:
     cls.encode = faulty_encode
 
 
-def _build(settings: Any, engine_factory: Callable[[], Any], **kwargs: Any) -> Any:
-    def factory() -> Any:
-        engine = engine_factory()
-        if _FAULT:  # class-level, so the copies AsyncEngine makes of the tokenizer fail too
-            _faulty_tokenizer_class(type(engine.tokenizer))
-        return engine
-
-    return _build_app(dataclasses.replace(settings, **_SETTINGS), factory, **kwargs)
+def _settings(*args: Any, **kwargs: Any) -> Any:
+    return dataclasses.replace(_server_settings(*args, **kwargs), **_SETTINGS)
 
 
-lifecycle.build_app = _build
+def _llm(*args: Any, **kwargs: Any) -> Any:
+    llm = _llm_from_args(*args, **kwargs)
+    if _FAULT:  # class-level, so the copies AsyncEngine makes of the tokenizer fail too
+        _faulty_tokenizer_class(type(llm.engine.tokenizer))
+    return llm
+
+
+cli._server_settings = _settings
+cli._llm_from_args = _llm
 if os.environ.get("VGRAPH_TEST_BREAK_VERSION"):
     routes_misc.__version__ = _Unserializable()  # type: ignore[assignment]
 

@@ -90,7 +90,7 @@ def test_a_full_queue_answers_503_with_retry_after(guarded):
         deadline = time.monotonic() + 60
         while True:
             m = await asyncio.to_thread(guarded.metrics)
-            if m["vgraph:num_requests_running"] == running and m["vgraph:num_requests_waiting"] == waiting:
+            if m["vgraph:num_requests_running{engine=0}"] == running and m["vgraph:num_requests_waiting{engine=0}"] == waiting:
                 return
             assert time.monotonic() < deadline, m
             await asyncio.sleep(0.05)

@@ -52,8 +52,8 @@ def test_disconnects_mid_stream_free_the_kv_cache(server, model):
 
     assert asyncio.run(main()) == [2] * 50
     after = server.wait_idle(timeout=60)
-    assert after["vgraph:kv_cache_usage_perc"] == 0.0
-    assert after["vgraph:num_requests_running"] == 0 and after["vgraph:num_requests_waiting"] == 0
+    assert after["vgraph:kv_cache_usage_perc{engine=0}"] == 0.0
+    assert after["vgraph:num_requests_running{engine=0}"] == 0 and after["vgraph:num_requests_waiting{engine=0}"] == 0
     aborted = after["vgraph:request_success_total{finished_reason=abort}"] - before[
         "vgraph:request_success_total{finished_reason=abort}"]
     assert aborted == 50

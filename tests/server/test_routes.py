@@ -7,8 +7,8 @@ import httpx
 
 import vgraph
 
-SERIES = ["vgraph:num_requests_running", "vgraph:num_requests_waiting", "vgraph:kv_cache_usage_perc",
-          "vgraph:prefix_cache_queries_total", "vgraph:prefix_cache_hits_total", "vgraph:num_preemptions_total",
+SERIES = ["vgraph:num_requests_running{engine=0}", "vgraph:num_requests_waiting{engine=0}", "vgraph:kv_cache_usage_perc{engine=0}",
+          "vgraph:prefix_cache_queries_total{engine=0}", "vgraph:prefix_cache_hits_total{engine=0}", "vgraph:num_preemptions_total{engine=0}",
           "vgraph:prompt_tokens_total", "vgraph:generation_tokens_total",
           "vgraph:request_success_total{finished_reason=length}",
           "vgraph:request_success_total{finished_reason=stop}",
@@ -66,19 +66,20 @@ def test_metrics_count_what_was_sent(server, client, model):
         assert delta(f"vgraph:{histogram}_count") == 5, histogram
     # One inter-token gap per step after the first: (5+6+7 - 3) + (4 - 1) + (6 - 1).
     assert delta("vgraph:inter_token_latency_seconds_count") == 15 + 3 + 5
-    assert delta("vgraph:prefix_cache_queries_total") > 0
-    assert after["vgraph:kv_cache_usage_perc"] == 0 and after["vgraph:num_requests_running"] == 0
+    assert delta("vgraph:prefix_cache_queries_total{engine=0}") > 0
+    assert after["vgraph:kv_cache_usage_perc{engine=0}"] == 0 and after["vgraph:num_requests_running{engine=0}"] == 0
 
 
-ROUTER_GAUGES = {"vllm:num_requests_waiting": "vgraph:num_requests_waiting",
-                 "vllm:num_requests_running": "vgraph:num_requests_running",
-                 "vllm:kv_cache_usage_perc": "vgraph:kv_cache_usage_perc",
-                 "vllm:gpu_cache_usage_perc": "vgraph:kv_cache_usage_perc"}
+ROUTER_GAUGES = {"vllm:num_requests_waiting": "vgraph:num_requests_waiting{engine=0}",
+                 "vllm:num_requests_running": "vgraph:num_requests_running{engine=0}",
+                 "vllm:kv_cache_usage_perc": "vgraph:kv_cache_usage_perc{engine=0}",
+                 "vllm:gpu_cache_usage_perc": "vgraph:kv_cache_usage_perc{engine=0}"}
 
 
 def test_router_gauges_mirror_vgraphs_own_while_requests_run(server, model):
     """Load-aware routers (the Gateway API Inference Extension's endpoint picker) read vLLM's
-    gauge names: they carry vgraph's values, sampled in the same scrape, busy and idle."""
+    gauge names: they carry vgraph's values (one replica's: the server's), sampled in the same
+    scrape, busy and idle."""
     def busy() -> None:
         server.post("/v1/completions", {"model": model, "prompt": "Load", "max_tokens": 48,
                                         "ignore_eos": True, "n": 4})

@@ -9,7 +9,7 @@ set of clocks. Times are ``time.monotonic()`` seconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from .outputs import RequestOutput
 
@@ -52,3 +52,14 @@ class StepOutput:
     outputs: list[RequestOutput]
     timings: list[RequestTiming]
     stats: EngineStats
+
+
+def aggregate_stats(per_replica: Sequence[EngineStats]) -> EngineStats:
+    """One server's state from its replicas': counts and counters add up; KV usage is the
+    fraction of all blocks in use, the mean of the replicas' (their pools are equal)."""
+    return EngineStats(num_running=sum(s.num_running for s in per_replica),
+                       num_waiting=sum(s.num_waiting for s in per_replica),
+                       kv_usage=sum(s.kv_usage for s in per_replica) / max(1, len(per_replica)),
+                       prefix_cache_queries=sum(s.prefix_cache_queries for s in per_replica),
+                       prefix_cache_hits=sum(s.prefix_cache_hits for s in per_replica),
+                       num_preemptions=sum(s.num_preemptions for s in per_replica))

@@ -14,18 +14,25 @@ vLLM-compatible model servers (the Kubernetes Gateway API Inference Extension's 
 ``vllm:gpu_cache_usage_perc`` for KV-cache pressure, ``vllm:num_requests_running``), so such a
 router balances ``vgraph serve`` replicas with no per-runtime configuration.
 
+With data-parallel replicas (``--data-parallel-size``), vgraph's own engine-state series carry
+an ``engine`` label, one series per replica (``engine="0"`` alone with one replica), so a
+dashboard sees how the router spreads the load; the router-facing ``vllm:`` gauges stay one
+series per server, with the server's totals (KV usage: the fraction of all replicas' blocks in
+use), because a load-aware router scores a server, not its replicas, and takes one sample per
+name. The per-request series (tokens, latencies) are server-level, as the server sees them.
+
 Each server gets its own ``CollectorRegistry``, so several apps in one process (tests) do not
 collide in the global registry.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.stats import EngineStats, StepOutput
+from ..engine.stats import EngineStats, StepOutput, aggregate_stats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -37,48 +44,53 @@ _REQUEST_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.
                     60.0, 120.0, 240.0, 480.0, 960.0)
 
 
-def _state_gauges(s: EngineStats) -> list[tuple[str, str, float]]:
-    """vgraph's state gauges, then the same values under the router-facing vLLM names."""
-    own = [("num_requests_running", "Requests in the running batch.", s.num_running),
-           ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-           ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", s.kv_usage)]
-    router = [*own, ("gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1); the "
-                     "older name routers read.", s.kv_usage)]
-    return ([(f"vgraph:{name}", doc, value) for name, doc, value in own]
-            + [(f"vllm:{name}", f"{doc} Same as vgraph's; for load-aware routers.", value)
-               for name, doc, value in router])
+_OWN_GAUGES = (("num_requests_running", "Requests in the running batch.", "num_running"),
+               ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+               ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).", "kv_usage"))
+# The older name routers read for KV usage, next to the three above under vllm: names.
+_ROUTER_ONLY = (("gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1); the older name "
+                 "routers read.", "kv_usage"),)
+_COUNTERS = (("vgraph:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+             ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+             ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", "num_preemptions"))
 
 
 class _EngineStateCollector(Collector):
-    """Gauges and engine-side counters from the newest stats snapshot."""
+    """Gauges and engine-side counters from the newest stats snapshots: vgraph's per replica
+    (label ``engine``), the router-facing ``vllm:`` gauges per server."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._stats = stats
+    def __init__(self, replica_stats: Callable[[], Sequence[EngineStats]], model_name: str) -> None:
+        self._stats = replica_stats
         self._model = model_name
 
     def collect(self) -> Iterator[Metric]:
-        s = self._stats()
-        labels, values = ["model_name"], [self._model]
-        for name, doc, value in _state_gauges(s):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(values, float(value))
+        per_replica = list(self._stats())
+        labels = ["model_name", "engine"]
+        for name, doc, attr in _OWN_GAUGES:
+            yield self._family(GaugeMetricFamily, f"vgraph:{name}", doc, attr, per_replica)
+        for name, doc, attr in _COUNTERS:
+            yield self._family(CounterMetricFamily, name, doc, attr, per_replica)
+        server = aggregate_stats(per_replica)
+        for name, doc, attr in (*_OWN_GAUGES, *_ROUTER_ONLY):
+            gauge = GaugeMetricFamily(f"vllm:{name}", f"{doc} The server's total over its replicas (KV usage: "
+                                      "of all their blocks), for load-aware routers.", labels=labels[:1])
+            gauge.add_metric([self._model], float(getattr(server, attr)))
             yield gauge
-        for name, doc, value in (
-                ("vgraph:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                 s.prefix_cache_queries),
-                ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-                ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", s.num_preemptions)):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(values, float(value))
-            yield counter
+
+    def _family(self, kind: type, name: str, doc: str, attr: str, per_replica: list[EngineStats]) -> Metric:
+        family = kind(name, doc, labels=["model_name", "engine"])
+        for index, stats in enumerate(per_replica):
+            family.add_metric([self._model, str(index)], float(getattr(stats, attr)))
+        return family
 
 
 class ServerMetrics:
     """The registry behind ``/metrics`` and the hook that feeds it from engine steps."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, replica_stats: Callable[[], Sequence[EngineStats]]) -> None:
+        """``replica_stats``: each engine replica's newest stats (one item without data parallelism)."""
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStateCollector(stats, model_name))
+        self.registry.register(_EngineStateCollector(replica_stats, model_name))
         self._model = model_name
         common = {"labelnames": ["model_name"], "registry": self.registry}
         self.prompt_tokens = Counter("vgraph:prompt_tokens", "Prompt tokens of requests that started.", **common)
