@@ -1,4 +1,5 @@
-"""``vgraph`` with ``LLMEngine.step`` raising after N steps ($VGRAPH_TEST_FAIL_AFTER_STEPS).
+"""``vgraph`` with ``LLMEngine.step`` raising once, at step N + 1 ($VGRAPH_TEST_FAIL_AFTER_STEPS),
+counted over every engine of the process (with --data-parallel-size, one replica fails).
 
 Run as a script by test_lifecycle.py: it exercises the server's fatal-engine-error path in a
 real process without any fault-injection hook in the product code.
@@ -19,7 +20,7 @@ _calls = 0
 def _failing_step(self: llm_engine.LLMEngine) -> StepOutput:
     global _calls
     _calls += 1
-    if _calls > _FAIL_AFTER:
+    if _calls == _FAIL_AFTER + 1:
         raise RuntimeError("injected engine failure")
     return _original_step(self)
 
