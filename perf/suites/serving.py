@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any, Awaitable, Callable, Optional
+from typing import IO, Any, Awaitable, Callable, Optional, Sequence
 
 import httpx
 
@@ -129,7 +129,8 @@ def stop_server(proc: subprocess.Popen, log: IO[str]) -> int:
 class ServerUnderTest:
     """``vgraph serve`` in a child process; its log goes to a temporary file."""
 
-    def __init__(self, device: str, eager: bool, max_num_seqs: int) -> None:
+    def __init__(self, device: str, eager: bool, max_num_seqs: int, extra_args: Sequence[str] = (),
+                 extra_env: Optional[dict[str, str]] = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vgraph-serve-perf-", suffix=".log", delete=False)
@@ -137,7 +138,9 @@ class ServerUnderTest:
                "--device", device, "--max-num-seqs", str(max_num_seqs), "--kv-cache-gib", "0.25"]
         if eager:
             cmd.append("--enforce-eager")
+        cmd.extend(extra_args)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(extra_env or {})
         self.start = time.perf_counter()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
