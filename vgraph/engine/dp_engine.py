@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Protocol, Sequence
+from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Sequence
 
 from ..sampling_params import SamplingParams
 from .async_engine import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError
@@ -56,10 +56,11 @@ class Replica(Protocol):
     def abort(self, request_ids: Iterable[str]) -> None: ...
 
 
-# The facts the server reads once the engine is ready, taken from replica 0 (all replicas load
-# the same model with the same settings).
-_FACTS = ("tokenizer", "worker_tokenizer", "max_model_len", "vocab_size", "model_path", "max_logprobs",
-          "eos_token_ids", "grammar_compiler")
+def _replica_fact(name: str, doc: str) -> property:
+    """A fact about the model the server reads once the engine is ready: replica 0's (every
+    replica loads the same model with the same settings). Read through, not copied, so it is
+    there the moment ``ready`` turns true."""
+    return property(lambda self: getattr(self.replicas[0], name), doc=doc)
 
 
 class DataParallelEngine:
@@ -81,17 +82,18 @@ class DataParallelEngine:
         self.startup_error: Optional[BaseException] = None
         self.loads = [0] * len(self.replicas)  # outstanding sequences per replica
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, its sequences)
-        self.tokenizer: Any = None
-        self.worker_tokenizer: Any = None
-        self.max_model_len = 0
-        self.vocab_size = 0
-        self.model_path = ""
-        self.max_logprobs = 0
-        self.eos_token_ids: frozenset[int] = frozenset()
-        self.grammar_compiler: Any = None
         for index, replica in enumerate(self.replicas):
             replica.on_step = self._step_hook(index)
             replica.on_fatal = self._fatal_hook(index)
+
+    tokenizer = _replica_fact("tokenizer", "replica 0's private copy, for the event loop")
+    worker_tokenizer = _replica_fact("worker_tokenizer", "another, for the server's tokenizing thread")
+    max_model_len = _replica_fact("max_model_len", "tokens a sequence may hold")
+    vocab_size = _replica_fact("vocab_size", "the model's vocabulary size")
+    model_path = _replica_fact("model_path", "the model as loaded")
+    max_logprobs = _replica_fact("max_logprobs", "top logprobs a request may ask for")
+    eos_token_ids = _replica_fact("eos_token_ids", "the tokens that end a sequence")
+    grammar_compiler = _replica_fact("grammar_compiler", "validates structured-output grammars")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -113,9 +115,6 @@ class DataParallelEngine:
         await asyncio.gather(*(replica.wait_ready() for replica in self.replicas))
         if self.error is not None:
             raise self.error
-        first = self.replicas[0]
-        for name in _FACTS:
-            setattr(self, name, getattr(first, name))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stops every replica (concurrently: each may finish a step first)."""
