@@ -390,6 +390,10 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30.0)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (off by default)")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine (scheduler and model) on a thread of the server process instead of "
+                        "in its own engine-core process (the default), as the library LLM does: for tests "
+                        "and research")
 
 
 def _add_serve_deferred(p: argparse.ArgumentParser) -> None:
@@ -454,7 +458,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """Serves the OpenAI-compatible API until SIGTERM (exit 0) or a fatal engine error (exit 1).
 
     Everything that can be wrong with the command line is checked first, then the port is
-    bound; only then does the model load (on the engine thread, /health 503 meanwhile)."""
+    bound; only then does the model load (in the engine-core process, or on the engine thread
+    with --engine-in-process; /health answers 503 meanwhile)."""
     for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
                              ("--shutdown-timeout", args.shutdown_timeout, 0)):
         if value is not None and value < low:
@@ -479,14 +484,29 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
                                             "is loaded)", f"[{host}]" if ":" in host else host, port)
-
-    def build_engine():
-        """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
-        return _llm_from_args(args, kwargs).engine
-
+    engine = _serve_engine(args, kwargs, settings.max_queue_len)
     with sock:
-        return serve(settings, build_engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
+        return serve(settings, engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                      log_level=args.log_level, access_log=args.access_log, sockets=[sock])
+
+
+def _serve_engine(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int]) -> Any:
+    """The engine ``serve`` runs: an ``EngineCoreClient`` over an engine-core process by
+    default, an ``AsyncEngine`` on a thread of this process with ``--engine-in-process``."""
+    if args.engine_in_process:
+        from vgraph.engine.async_engine import AsyncEngine
+
+        def build_engine():
+            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
+            return _llm_from_args(args, kwargs).engine
+
+        return AsyncEngine(build_engine, max_queue_len=max_queue_len)
+    from vgraph.engine.core_client import EngineCoreClient
+    from vgraph.engine.core_process import CoreProcessConfig
+    engine_kwargs = {name: value for name, value in kwargs.items() if name != "passes"}
+    config = CoreProcessConfig(model=_model_path(args), engine_kwargs=engine_kwargs, pass_specs=list(args.passes),
+                               log_level=args.log_level)
+    return EngineCoreClient(config, max_queue_len=max_queue_len)
 
 
 def build_parser() -> argparse.ArgumentParser:

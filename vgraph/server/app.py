@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Union
 
 from fastapi import FastAPI
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
-from ..engine.llm_engine import LLMEngine
+from ..engine.core_client import EngineCoreClient
 from . import routes_chat, routes_completions, routes_embeddings, routes_misc
 from .auth import APIKeyMiddleware
 from .header_limit import HeaderLimitMiddleware
@@ -27,14 +27,17 @@ from .state import ServerSettings, ServerState
 logger = logging.getLogger("vgraph.server")
 
 
-def build_app(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *,
-              on_fatal: Optional[Callable[[BaseException], None]] = None) -> FastAPI:
-    """An app serving the engine that ``engine_factory`` builds (on the engine thread).
+Engine = Union[AsyncEngine, EngineCoreClient]
 
-    ``on_fatal`` runs on the event loop when the engine fails to start or dies later; the
-    caller decides how the process ends (see ``lifecycle.serve``).
+
+def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
+    """An app serving ``engine``: an ``AsyncEngine`` (the engine on a thread of this process)
+    or an ``EngineCoreClient`` (the engine in its own process); the routes see one interface.
+
+    The engine's ``on_fatal`` runs on the event loop when it fails to start or dies later; the
+    caller sets it and decides how the process ends (see ``lifecycle.serve``). The app sets
+    ``on_step`` (the metrics).
     """
-    engine = AsyncEngine(engine_factory, max_queue_len=settings.max_queue_len, on_fatal=on_fatal)
     metrics = ServerMetrics(settings.served_model_names[0], lambda: engine.stats)
     engine.on_step = metrics.observe
     state = ServerState(settings, engine, metrics)

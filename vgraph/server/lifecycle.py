@@ -30,8 +30,7 @@ from typing import Awaitable, Callable, Iterator, Optional
 
 import uvicorn
 
-from ..engine.llm_engine import LLMEngine
-from .app import build_app
+from .app import Engine, build_app
 from .connections import (ConnectionGuard, ConnectionLimits, LogRateLimit, plan_connections, protocol_class,
                           raise_descriptor_limit)
 from .header_limit import MAX_HEADER_BYTES  # also bounds h11's buffer before the headers end
@@ -46,10 +45,11 @@ CUT_GRACE_S = 5.0
 _NOISY_LOGGERS = ("asyncio", "uvicorn.error", "vgraph.server")
 
 
-def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, host: str, port: int,
+def serve(settings: ServerSettings, engine: Engine, *, host: str, port: int,
           shutdown_timeout: float = 30.0, log_level: str = "info", access_log: bool = False,
           sockets: Optional[list[socket.socket]] = None) -> int:
-    """Serves until a signal or a fatal engine error; returns the process exit code.
+    """Serves ``engine`` (not started yet) until a signal or a fatal engine error; returns the
+    process exit code.
 
     ``sockets``: listening sockets already bound (the CLI binds before the model loads, so a
     port in use fails at once); uvicorn serves on them instead of binding ``host:port``."""
@@ -64,7 +64,8 @@ def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, 
         delay = 0.0 if startup else settings.fatal_exit_grace_s
         asyncio.get_running_loop().call_later(delay, _request_exit, server)
 
-    app = build_app(settings, engine_factory, on_fatal=on_fatal)
+    engine.on_fatal = on_fatal
+    app = build_app(settings, engine)
     guard = ConnectionGuard(_connection_limits(settings))
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
                             access_log=access_log, http=protocol_class(guard), backlog=guard.limits.backlog,
@@ -80,7 +81,6 @@ def serve(settings: ServerSettings, engine_factory: Callable[[], LLMEngine], *, 
             server.run(sockets=sockets)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    engine = state.engine
     if engine.startup_error is not None:
         raise engine.startup_error
     if engine.error is not None:
