@@ -390,11 +390,16 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30.0)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (off by default)")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine (scheduler and model) on a thread of the server process instead of "
+                        "in its own engine-core process (the default), as the library LLM does: for tests "
+                        "and research")
     g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                    help="independent engine replicas (each its own scheduler, model copy and KV cache) behind "
                         "this one server, requests routed to the least loaded one, or to the one that served "
-                        "their prompt prefix; each gets 1/N of the CPU threads, and --max-queue-len and "
-                        "--kv-cache-gib apply to each (default: 1)")
+                        "their prompt prefix; each gets 1/N of the CPU threads (on CUDA: replica i uses cuda:i), and "
+                        "--max-queue-len and --kv-cache-gib apply to each; each is an engine-core process, or "
+                        "a thread of the server with --engine-in-process (default: 1)")
 
 
 def _add_serve_deferred(p: argparse.ArgumentParser) -> None:
@@ -459,7 +464,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """Serves the OpenAI-compatible API until SIGTERM (exit 0) or a fatal engine error (exit 1).
 
     Everything that can be wrong with the command line is checked first, then the port is
-    bound; only then does the model load (on the engine thread, /health 503 meanwhile)."""
+    bound; only then does the model load (in the engine-core process, or on the engine thread
+    with --engine-in-process; /health answers 503 meanwhile)."""
     for flag, value, low in (("--port", args.port, 0), ("--max-queue-len", args.max_queue_len, 1),
                              ("--shutdown-timeout", args.shutdown_timeout, 0),
                              ("--data-parallel-size", args.data_parallel_size, 1)):
@@ -485,7 +491,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
                                             "is loaded)", f"[{host}]" if ":" in host else host, port)
-
     engine = _serve_engine(args, kwargs, settings.max_queue_len)
     with sock:
         return serve(settings, engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
@@ -493,38 +498,52 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_engine(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int]) -> Any:
-    """The engine ``serve`` runs: one ``AsyncEngine``, or with ``--data-parallel-size N`` a
-    ``DataParallelEngine`` over N of them, each on its own thread with its own ``LLMEngine``.
-
-    The replicas share this process's CPU threads, so torch gets ``cores // N`` of them (one
-    pool, each replica's parallel regions sized to its share), and they are built one at a
-    time: loading and compiling touch process-wide state (Dynamo, the compile cache)."""
-    from vgraph.engine.async_engine import AsyncEngine
+    """The engine ``serve`` runs: an ``EngineCoreClient`` over an engine-core process by
+    default, an ``AsyncEngine`` on a thread of this process with ``--engine-in-process``; with
+    ``--data-parallel-size N`` a ``DataParallelEngine`` over N of them, each its own
+    ``LLMEngine``, with ``cores // N`` torch threads each (they share the machine's cores)."""
     size = args.data_parallel_size
     if size == 1:
-        def build_engine():
-            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
-            return _llm_from_args(args, kwargs).engine
-
-        return AsyncEngine(build_engine, max_queue_len=max_queue_len)
+        return _engine_replica(args, kwargs, max_queue_len, kwargs["device"], None, None)
     import threading
 
-    import torch
-
     from vgraph.engine.dp_engine import data_parallel
-    devices = _replica_devices(kwargs["device"], size)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cores // size))
+    threads = max(1, cores // size)
     building = threading.Lock()
-
-    def replica_builder(device: str) -> Callable[[], Any]:
-        def build_replica():
-            with building:
-                return _llm_from_args(args, {**kwargs, "device": device}).engine
-        return build_replica
-
-    replicas = [AsyncEngine(replica_builder(device), max_queue_len=max_queue_len) for device in devices]
+    replicas = [_engine_replica(args, kwargs, max_queue_len, device, threads, building)
+                for device in _replica_devices(kwargs["device"], size)]
     return data_parallel(replicas, kwargs["block_size"])
+
+
+def _engine_replica(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int], device: str,
+                    threads: Optional[int], building: Any) -> Any:
+    """One engine on ``device``: an engine-core process, or with ``--engine-in-process`` an
+    ``AsyncEngine`` thread. ``threads``: torch's thread count (None: its default). Threads of one
+    process share one torch thread pool, so the count is set here, once, for all of them, and
+    they build one at a time under the lock ``building`` (loading and compiling touch
+    process-wide state: Dynamo, the compile cache)."""
+    kwargs = {**kwargs, "device": device}
+    if args.engine_in_process:
+        from vgraph.engine.async_engine import AsyncEngine
+        if threads is not None:
+            import torch
+            torch.set_num_threads(threads)
+
+        def build_engine():
+            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
+            if building is None:
+                return _llm_from_args(args, kwargs).engine
+            with building:
+                return _llm_from_args(args, kwargs).engine
+
+        return AsyncEngine(build_engine, max_queue_len=max_queue_len)
+    from vgraph.engine.core_client import EngineCoreClient
+    from vgraph.engine.core_process import CoreProcessConfig
+    engine_kwargs = {name: value for name, value in kwargs.items() if name != "passes"}
+    config = CoreProcessConfig(model=_model_path(args), engine_kwargs=engine_kwargs, pass_specs=list(args.passes),
+                               log_level=args.log_level, num_threads=threads)
+    return EngineCoreClient(config, max_queue_len=max_queue_len)
 
 
 def _replica_devices(device: str, size: int) -> list[str]:

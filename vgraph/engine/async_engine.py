@@ -47,6 +47,11 @@ class EngineShutdownError(EngineDeadError):
     not a failure of theirs, so clients get 503 ``shutting_down``, as ``/health`` says."""
 
 
+class EngineProcessDiedError(EngineDeadError):
+    """The engine-core process exited without being asked to (killed, crashed): the server
+    cannot serve any more, so clients get 503 ``engine_dead``, as ``/health`` says."""
+
+
 class EngineNotReadyError(RuntimeError):
     """The engine is still loading (or compiling) the model."""
 
@@ -369,26 +374,32 @@ class AsyncEngine:
                 self._post(self._on_step, engine.step())
 
     def _add(self, engine: LLMEngine, command: _Add) -> None:
-        """Adds a batch of requests atomically: on any failure the ones added are taken back
-        (not counted as aborts: they were never accepted)."""
-        added: list[str] = []
-        try:
-            for rid, prompt, params in command.items:
-                engine.add_request(rid, prompt, params, arrival_time=command.submitted)
-                added.append(rid)
-        except BaseException as exc:  # bad input (ValueError) or an unexpected failure: undo all
-            engine.abort_request(added)
-            if len(command.items) > 1 and isinstance(exc, ValueError):
-                index = next(i for i, item in enumerate(command.items) if item[0] not in added)
-                exc = ValueError(f"prompt {index}: {exc}")
-            elif not isinstance(exc, ValueError):  # one line per request; the traceback only when debugging
-                logger.error("adding request %s failed: %s: %s", command.items[0][0], type(exc).__name__, exc)
-                if type(exc) not in self._traced:
-                    self._traced.add(type(exc))
-                    logger.debug("adding a request failed (traceback logged once per exception type)", exc_info=exc)
-            self._post(self._on_accepted, command, exc)
-            return
-        self._post(self._on_accepted, command, None)
+        self._post(self._on_accepted, command, add_atomically(engine, command.items, command.submitted, self._traced))
+
+
+def add_atomically(engine: LLMEngine, items: Sequence[tuple[str, PromptType, SamplingParams]], submitted: float,
+                   traced: set[type]) -> Optional[BaseException]:
+    """Adds a batch of requests atomically and returns None, or the error that refused them:
+    on any failure the ones added are taken back (not counted as aborts: they were never
+    accepted). ``traced``: exception types whose traceback was logged already (once per type).
+    Shared by the engine thread and the engine-core process."""
+    added: list[str] = []
+    try:
+        for rid, prompt, params in items:
+            engine.add_request(rid, prompt, params, arrival_time=submitted)
+            added.append(rid)
+    except BaseException as exc:  # bad input (ValueError) or an unexpected failure: undo all
+        engine.abort_request(added)
+        if len(items) > 1 and isinstance(exc, ValueError):
+            index = next(i for i, item in enumerate(items) if item[0] not in added)
+            exc = ValueError(f"prompt {index}: {exc}")
+        elif not isinstance(exc, ValueError):  # one line per request; the traceback only when debugging
+            logger.error("adding request %s failed: %s: %s", items[0][0], type(exc).__name__, exc)
+            if type(exc) not in traced:
+                traced.add(type(exc))
+                logger.debug("adding a request failed (traceback logged once per exception type)", exc_info=exc)
+        return exc
+    return None
 
 
 def _num_sequences(items: Sequence[tuple[str, PromptType, SamplingParams]]) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,7 +35,8 @@ _PREFILL_ONLY = SamplingParams(max_tokens=0)
 @dataclass
 class _Sequence:
     request: Request
-    detokenizer: Optional[IncrementalDetokenizer]  # None for a pooling request (no text)
+    # None for a pooling request (no text), and when the caller detokenizes (``detokenize=False``)
+    detokenizer: Optional[IncrementalDetokenizer]
     cumulative_logprob: float = 0.0  # of the chosen tokens, kept as they arrive
 
 
@@ -68,9 +69,15 @@ class _Group:
 
 class LLMEngine:
     """Resolves the configuration once, starts a runner and a scheduler over its KV cache,
-    and steps them. ``self.config`` is the resolved copy; the caller's object is left as given."""
+    and steps them. ``self.config`` is the resolved copy; the caller's object is left as given.
 
-    def __init__(self, config: EngineConfig) -> None:
+    ``detokenize=False`` leaves text to the caller: outputs carry token ids (and logprobs,
+    finish reasons) with empty text, and stop strings are the caller's to find and report
+    with ``finish_sequences``. The engine-core process runs so, because its server process
+    detokenizes off the step loop's CPU time (see ``core_process``)."""
+
+    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
+        self.detokenize = detokenize
         start, before_engine = time.perf_counter(), process_age()
         path = demo_model_path(config.model.model) or resolve_model_path(config.model.model, config.model.revision)
         hf_config = load_hf_config(path)
@@ -130,8 +137,8 @@ class LLMEngine:
             # The prompt's logprobs are the same for every sequence: the first computes them.
             req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, grammar=state,
                           num_prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                           params.stop, params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                           params.include_stop_str_in_output) if self.detokenize else None
             group.sequences.append(_Sequence(req, detok))
         self._admit_group(group)
 
@@ -172,6 +179,30 @@ class LLMEngine:
     def abort_all(self) -> list[RequestTiming]:
         """Aborts every unfinished request (a server shutting down)."""
         return self.abort_request(list(self._groups))
+
+    def finish_sequences(self, items: Sequence[tuple[str, int, Optional[str]]]) -> list[RequestTiming]:
+        """Ends sequences for reasons found by a caller that detokenizes (``detokenize=False``):
+        ``(request id, sequence index, stop string)``, a stop string meaning finish reason
+        "stop" (it is the stop reason), None meaning "abort" (its text could not be decoded).
+
+        Unknown or finished sequences are ignored. Returns one timing per request this
+        finishes (its last sequence ended), as ``step`` would have reported it.
+        """
+        now, finished = time.monotonic(), []
+        for request_id, index, stop in items:
+            group = self._groups.get(request_id)
+            if group is None or not 0 <= index < len(group.sequences):
+                continue
+            req = group.sequences[index].request
+            if not req.status.finished:
+                req.stop_reason = stop
+                status = RequestStatus.FINISHED_ABORTED if stop is None else RequestStatus.FINISHED_STOPPED
+                self.scheduler.finish_requests([req.request_id], status)
+            if group.finished:
+                finished.append(RequestTiming(group.request_id, len(group.prompt_token_ids),
+                                              e2e_latency=now - group.arrival, finish_reasons=group.finish_reasons))
+                self._forget(group.request_id)
+        return finished
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -253,6 +284,8 @@ class LLMEngine:
         token = req.output_token_ids[-1]
         if req.sampling_params.logprobs is not None and len(req.logprobs) == len(req.output_token_ids):
             seq.cumulative_logprob += req.logprobs[-1][token]
+        if seq.detokenizer is None:  # the caller detokenizes
+            return
         try:
             stop = seq.detokenizer.update([token])
         except Exception as exc:  # one request's text failing must not take the engine down
@@ -276,7 +309,8 @@ class LLMEngine:
             wants_logprobs = req.sampling_params.logprobs is not None
             lps = list(req.logprobs) if wants_logprobs else None
             cumulative = seq.cumulative_logprob if lps else None
-            completions.append(CompletionOutput(i, seq.detokenizer.output_text, list(req.output_token_ids),
+            text = seq.detokenizer.output_text if seq.detokenizer is not None else ""
+            completions.append(CompletionOutput(i, text, list(req.output_token_ids),
                                                 cumulative, lps, req.finish_reason, req.stop_reason))
         prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs_done else None
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from .. import __version__
 from ..engine.async_engine import AsyncEngine
+from ..engine.core_client import EngineCoreClient
 from ..engine.dp_engine import DataParallelEngine
 from . import routes_chat, routes_completions, routes_embeddings, routes_misc
 from .auth import APIKeyMiddleware
@@ -27,12 +28,13 @@ from .state import ServerSettings, ServerState
 logger = logging.getLogger("vgraph.server")
 
 
-Engine = Union[AsyncEngine, DataParallelEngine]
+Engine = Union[AsyncEngine, EngineCoreClient, DataParallelEngine]
 
 
 def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     """An app serving ``engine`` (not started yet): an ``AsyncEngine`` (the engine on a thread
-    of this process) or a ``DataParallelEngine`` (several of them); the routes see one interface.
+    of this process), an ``EngineCoreClient`` (the engine in its own process) or a
+    ``DataParallelEngine`` (several of either); the routes see one interface.
 
     The engine's ``on_fatal`` runs on the event loop when it fails to start or dies later; the
     caller sets it and decides how the process ends (see ``lifecycle.serve``). The app sets

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.async_engine import EngineShutdownError
+from ..engine.async_engine import EngineProcessDiedError, EngineShutdownError
 
 logger = logging.getLogger("vgraph.server")
 
@@ -86,9 +86,12 @@ def log_failure(what: str, exc: BaseException) -> None:
 
 def engine_gone(exc: BaseException) -> APIError:
     """The error for requests the engine stopped serving: 503 when the server is shutting down
-    (retrying elsewhere is right), 500 when the engine failed."""
+    (retrying elsewhere is right) or the engine-core process died (the server exits; another
+    replica can serve), 500 when the engine failed."""
     if isinstance(exc, EngineShutdownError):
         return APIError(503, str(exc), code="shutting_down")
+    if isinstance(exc, EngineProcessDiedError):
+        return APIError(503, str(exc), code="engine_dead")
     return APIError(500, str(exc), code="engine_error")
 
 

@@ -1,0 +1,173 @@
+"""The messages between the server process and the engine-core process, as msgpack.
+
+Why msgpack with explicit encodings and not pickle: a pickle from the socket could run any
+code in the receiving process, and it couples both sides to the exact classes and module
+paths of the moment. Here every message is a list whose first item names its kind, built
+only of msgpack's own types (ints, floats, strings, lists, maps with int or string keys,
+None), and each type that crosses the boundary has one encoder and one decoder below.
+msgpack is compact and fast in both directions (a C extension), keeps map order (a token's
+logprobs list the chosen token first) and int map keys (token ids), and pyzmq carries the
+bytes. Floats travel as float64, so logprobs and embeddings arrive bit-exact.
+
+Server -> core: ``add``, ``abort``, ``finish`` (sequences the server ended: a stop string
+found while detokenizing), ``shutdown``.
+Core -> server: ``ready`` (facts about the engine), ``startup_failed``, ``accepted`` (one per
+``add``), ``step`` (token deltas, timings, stats) and ``fatal``.
+"""
+from __future__ import annotations
+
+import builtins
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import msgpack
+
+from ..pooling_params import PoolingParams
+from ..sampling_params import SamplingParams
+from .stats import EngineStats, RequestTiming
+
+# Kinds of message, the first item of each.
+ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
+READY, STARTUP_FAILED, ACCEPTED, STEP, FATAL = "ready", "startup_failed", "accepted", "step", "fatal"
+
+_SAMPLING, _POOLING = "s", "p"
+_GENERATION, _EMBEDDING = "g", "e"
+
+
+def pack(message: list) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list:
+    # Int map keys are token ids (logprobs); lists stay lists (no tuples).
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+def encode_params(params: Union[SamplingParams, PoolingParams]) -> list:
+    """``[kind, {field: value}]``: every field by name, the structured-output spec as its fields."""
+    if isinstance(params, PoolingParams):
+        return [_POOLING, {"pooling_type": params.pooling_type, "normalize": params.normalize}]
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)
+              if f.name not in ("structured_outputs", "guided_decoding")}
+    spec = params.structured_outputs
+    if spec is not None:
+        fields["structured_outputs"] = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return [_SAMPLING, fields]
+
+
+def decode_params(data: list) -> Union[SamplingParams, PoolingParams]:
+    kind, fields = data
+    if kind == _POOLING:
+        return PoolingParams(**fields)
+    if kind != _SAMPLING:
+        raise ValueError(f"unknown parameters kind {kind!r}")
+    return SamplingParams(**fields)  # a structured_outputs dict becomes StructuredOutputsParams
+
+
+# ---------------------------------------------------------------------------- stats, timings
+
+def encode_stats(stats: EngineStats) -> list:
+    return [getattr(stats, f.name) for f in dataclasses.fields(EngineStats)]
+
+
+def decode_stats(data: list) -> EngineStats:
+    return EngineStats(*data)
+
+
+def encode_timing(timing: RequestTiming) -> list:
+    return [getattr(timing, f.name) for f in dataclasses.fields(RequestTiming)]
+
+
+def decode_timing(data: list) -> RequestTiming:
+    return RequestTiming(*data)
+
+
+# ---------------------------------------------------------------------------- outputs
+
+@dataclass
+class SequenceDelta:
+    """What one sequence gained in one step: tokens (with their logprobs) and, once, its end."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[dict[int, float]]]  # None unless the request asked for logprobs
+    cumulative_logprob: Optional[float]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+@dataclass
+class OutputDelta:
+    """One request's news from one step (``embedding`` set for a pooling request, which ends at once)."""
+
+    request_id: str
+    sequences: list[SequenceDelta] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once, when complete
+    embedding: Optional[list[float]] = None
+
+
+def encode_delta(delta: OutputDelta) -> list:
+    if delta.embedding is not None:
+        return [_EMBEDDING, delta.request_id, delta.embedding]
+    seqs = [[s.index, s.new_token_ids, s.new_logprobs, s.cumulative_logprob, s.finish_reason, s.stop_reason]
+            for s in delta.sequences]
+    return [_GENERATION, delta.request_id, seqs, delta.num_cached_tokens, delta.prompt_logprobs]
+
+
+def decode_delta(data: list) -> OutputDelta:
+    if data[0] == _EMBEDDING:
+        return OutputDelta(data[1], embedding=data[2])
+    _, request_id, seqs, num_cached, prompt_logprobs = data
+    return OutputDelta(request_id, [SequenceDelta(*s) for s in seqs], num_cached, prompt_logprobs)
+
+
+# ---------------------------------------------------------------------------- errors
+
+def encode_error(error: BaseException) -> list:
+    return [type(error).__name__, str(error)]
+
+
+class EngineCoreError(RuntimeError):
+    """An error raised in the engine-core process whose type has no counterpart here."""
+
+
+def decode_error(data: list) -> Exception:
+    """The error as the server would have seen it in-process: built-in exception types (a
+    ``ValueError`` for bad input) and the model loader's ``ModelLoadError`` keep their type, so
+    the HTTP mapping and the CLI's one-line user errors work the same; others keep their
+    type's name in the message."""
+    name, message = data
+    kind = getattr(builtins, name, None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        return kind(message)
+    if name == "ModelLoadError":
+        from ..models.loader import ModelLoadError
+        return ModelLoadError(message)
+    return EngineCoreError(f"{name}: {message}")
+
+
+# ---------------------------------------------------------------------------- readiness facts
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the server needs to know about the engine once it is built (sent with ``ready``)."""
+
+    model_path: str  # the model as configured (what /v1/models reports)
+    tokenizer_path: str  # where the server loads its own copy of the tokenizer from
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    eos_token_ids: list[int]
+    stats: EngineStats
+
+    def encode(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"},
+                "stats": encode_stats(self.stats)}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> "EngineFacts":
+        return cls(**{**data, "stats": decode_stats(data["stats"])})
