@@ -1,12 +1,18 @@
-"""``vgraph serve --data-parallel-size 2``: two in-process engine replicas behind one server.
+"""``vgraph serve --data-parallel-size 2``: two engine replicas behind one server (engine-core
+processes by default, threads with ``--engine-in-process``).
 
 Requests spread over both (per-replica metrics show it), a repeated prompt prefix stays on one
 replica (its prefix-cache hits rise, the other sees nothing), greedy outputs equal one
-engine's, and one replica dying gives clients a clean error and exits the server non-zero."""
+engine's, and one replica dying (its process killed, or its step failing in process) gives
+clients a clean error and exits the server non-zero, leaving no process behind."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -78,9 +84,76 @@ def test_greedy_outputs_equal_one_engine(dp_server, server):
     assert _together(dp_server, PROMPTS) == _together(server, PROMPTS)
 
 
-def test_a_replica_dying_fails_cleanly_and_exits_nonzero():
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _engine_cores(pid: int) -> list[int]:
+    """The server's engine-core processes (its spawned children that are not multiprocessing's
+    resource tracker)."""
+    cores = []
+    for child in _children(pid):
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            cores.append(child)
+    return cores
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def test_a_killed_replica_process_fails_cleanly_and_exits_nonzero():
+    proc = ServerProcess(*DP_ARGS)
+    try:
+        proc.wait_ready()
+        cores = _engine_cores(proc.proc.pid)
+        descendants = _children(proc.proc.pid)
+        assert len(cores) == 2, f"one engine-core process per replica: {descendants}"
+        body = {"model": "demo-model-v1", "max_tokens": 400, "ignore_eos": True}
+        answers: list[httpx.Response] = []
+        streams = [threading.Thread(target=lambda p=p: answers.append(
+            httpx.post(proc.url + "/v1/completions", timeout=60, json={**body, "prompt": p}))) for p in ("a", "b")]
+        for stream in streams:
+            stream.start()
+        deadline = time.monotonic() + 30
+        while proc.metrics()["vllm:num_requests_running"] < 2:
+            assert time.monotonic() < deadline, "both requests started"
+            time.sleep(0.02)
+        os.kill(cores[1], signal.SIGKILL)
+        for stream in streams:
+            stream.join(60)
+        health = httpx.get(proc.url + "/health", timeout=5)
+        codes = sorted(a.status_code for a in answers)
+        assert 503 in codes and set(codes) <= {200, 503}, [a.text for a in answers]
+        assert any(a.status_code == 503 and a.json()["error"]["code"] == "engine_dead" for a in answers)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        assert proc.proc.wait(60) == 1
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in descendants) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in descendants if _alive(pid)], "no process left behind"
+    finally:
+        proc.close()
+
+
+def test_an_in_process_replica_failing_fails_cleanly_and_exits_nonzero():
     script = Path(__file__).with_name("fail_engine.py")
-    proc = ServerProcess(*DP_ARGS, program=[sys.executable, str(script)],
+    proc = ServerProcess(*DP_ARGS, "--engine-in-process", program=[sys.executable, str(script)],
                          env={"VGRAPH_TEST_FAIL_AFTER_STEPS": "10"})
     try:
         proc.wait_ready()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,8 +248,20 @@ def _describe(quant: Optional[Fp8Config]) -> str:
     return f", fp8 weights ({source}), {activations} activation scales"
 
 
+# transformers imports its classes lazily, and two threads doing that first import at once can
+# see a half-initialized module ("cannot import name 'AutoTokenizer'"): the clients of
+# data-parallel engine-core processes load their tokenizers on worker threads, together.
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def load_tokenizer(path: str, revision: Optional[str] = None) -> Any:
-    """The checkpoint's tokenizer via transformers (a local dir or a hub id)."""
+    """The checkpoint's tokenizer via transformers (a local dir or a hub id); one load at a time
+    per process (see ``_TOKENIZER_LOCK``)."""
+    with _TOKENIZER_LOCK:
+        return _load_tokenizer(path, revision)
+
+
+def _load_tokenizer(path: str, revision: Optional[str]) -> Any:
     from transformers import AutoTokenizer
 
     local = resolve_model_path(path, revision)
