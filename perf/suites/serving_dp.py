@@ -2,16 +2,19 @@
 on the serving suite's workload (streaming ``/v1/completions``, distinct ~48-token prompts,
 greedy, ``ignore_eos``, a fixed number of new tokens, closed loop at each concurrency).
 
-Three servers run side by side (an idle one only waits on its queues) and are measured
+The servers run side by side (an idle one only waits on its queues) and are measured
 interleaved, in alternating order per round, so drift and other processes' load hit all alike;
-medians over the rounds are reported. Each is the default compiled server:
+medians over the rounds are reported. Each is the default compiled server, its engine in an
+engine-core process unless said otherwise:
 
 - ``dp1``: one engine at torch's default threads (one per core), as users run it;
 - ``dp1_1thread``: one engine at one thread (``OMP_NUM_THREADS=1``): the control, because
-- ``dp2``: two in-process replicas (each its own thread and ``LLMEngine``) splitting the cores,
-  ``cores // 2`` threads each: on a 2-core machine one thread each, so a comparison with
-  ``dp1`` alone would mix the replicas' gain with the OpenMP thread team's (on a shared machine
-  a 2-thread team waits at every barrier for a descheduled thread; see perf/README.md).
+- ``dp2``: two replicas (engine-core processes) splitting the cores, ``cores // 2`` threads
+  each: on a 2-core machine one thread each, so a comparison with ``dp1`` alone would mix the
+  replicas' gain with the OpenMP thread team's (on a shared machine a 2-thread team waits at
+  every barrier for a descheduled thread; see perf/README.md);
+- ``dp2_threads``: the same two replicas as threads of the server process
+  (``--engine-in-process``), sharing its GIL.
 
 What to expect on CPU: one engine already uses every core for its matmuls, so a second replica
 wins only what one engine leaves idle (the scheduler's and the HTTP thread's Python time, the
@@ -27,9 +30,13 @@ from typing import Any
 
 from .serving import ServerUnderTest, _closed_level
 
-# name -> (--data-parallel-size, extra environment)
-VARIANTS: dict[str, tuple[int, dict[str, str]]] = {"dp1": (1, {}), "dp1_1thread": (1, {"OMP_NUM_THREADS": "1"}),
-                                                   "dp2": (2, {})}
+# name -> (server flags, extra environment)
+VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "dp1": (["--data-parallel-size", "1"], {}),
+    "dp1_1thread": (["--data-parallel-size", "1"], {"OMP_NUM_THREADS": "1"}),
+    "dp2": (["--data-parallel-size", "2"], {}),
+    "dp2_threads": (["--data-parallel-size", "2", "--engine-in-process"], {}),
+}
 CONCURRENCY = (8, 32)
 THREADS_1_BUILT_IN = True  # the DP=2 server sets its own thread split; a threads-1 rerun means nothing
 
@@ -39,8 +46,8 @@ def run(device: str, quick: bool = False) -> dict:
     load_before, git = os.getloadavg(), git_state()
     rounds, max_tokens = (1, 16) if quick else (3, 64)
     servers = {name: ServerUnderTest(device, eager=False, max_num_seqs=max(CONCURRENCY), extra_env=env,
-                                     extra_args=["--data-parallel-size", str(size)])
-               for name, (size, env) in VARIANTS.items()}
+                                     extra_args=flags)
+               for name, (flags, env) in VARIANTS.items()}
     samples: dict[str, dict[int, list[dict[str, Any]]]] = {v: {c: [] for c in CONCURRENCY} for v in VARIANTS}
     try:
         startup = {name: server.wait_ready() for name, server in servers.items()}
@@ -66,16 +73,16 @@ def run(device: str, quick: bool = False) -> dict:
 
     return {"suite": "serving-dp",
             "config": {"model": "demo model (served as demo-model-v1), compiled",
-                       "variants": {name: {"data_parallel_size": size, "env": env}
-                                    for name, (size, env) in VARIANTS.items()},
+                       "variants": {name: {"flags": flags, "env": env} for name, (flags, env) in VARIANTS.items()},
                        "concurrency": list(CONCURRENCY), "max_tokens": max_tokens, "rounds": rounds,
                        "requests_per_level": "C" if quick else "max(32, 4C)", "prompt_tokens": "~48, distinct",
-                       "server_flags": "--max-num-seqs 32 --kv-cache-gib 0.25 (per replica) --data-parallel-size N",
+                       "server_flags": "--max-num-seqs 32 --kv-cache-gib 0.25 (per replica), plus each variant's",
                        "cpu_count": os.cpu_count(), "git": git,
                        "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
             "startup_to_ready_s": startup, "exit_code_after_sigterm": exit_codes, "medians": medians,
             "dp2_over_dp1_request_throughput": ratio("dp2", "dp1"),
             "dp2_over_dp1_1thread_request_throughput": ratio("dp2", "dp1_1thread"),
+            "dp2_threads_over_dp1_1thread_request_throughput": ratio("dp2_threads", "dp1_1thread"),
             "samples": {name: {f"c{c}": samples[name][c] for c in CONCURRENCY} for name in VARIANTS}}
 
 
@@ -93,17 +100,21 @@ def headline_figures(result: dict) -> dict[str, float]:
             out[f"{name} req/s {c}"] = result["medians"][name][c]["request_throughput"]
         out[f"dp2/dp1 {c}"] = result["dp2_over_dp1_request_throughput"][c]
         out[f"dp2/dp1_1thread {c}"] = result["dp2_over_dp1_1thread_request_throughput"][c]
+        out[f"dp2_threads/dp1_1thread {c}"] = result["dp2_threads_over_dp1_1thread_request_throughput"][c]
     return out
 
 
 def summarize(result: dict) -> str:
-    lines = [f"{'concurrency':>12}" + "".join(f"{name + ' req/s':>18}" for name in VARIANTS)
-             + f"{'dp2/dp1':>10}{'dp2/dp1_1thread':>17}" + "".join(f"{name + ' TPOT p50':>22}" for name in VARIANTS)]
+    ratios = {"dp2/dp1": "dp2_over_dp1_request_throughput", "dp2/dp1_1t": "dp2_over_dp1_1thread_request_throughput",
+              "dp2_threads/dp1_1t": "dp2_threads_over_dp1_1thread_request_throughput"}
+    lines = [f"{'streams':>8}" + "".join(f"{name + ' req/s':>18}" for name in VARIANTS)
+             + "".join(f"{label:>20}" for label in ratios)]
     for c in result["dp2_over_dp1_request_throughput"]:
         m = result["medians"]
-        lines.append(f"{c[1:]:>12}" + "".join(f"{m[name][c]['request_throughput']:>18.2f}" for name in VARIANTS)
-                     + f"{result['dp2_over_dp1_request_throughput'][c]:>10.2f}"
-                     + f"{result['dp2_over_dp1_1thread_request_throughput'][c]:>17.2f}"
-                     + "".join(f"{m[name][c]['tpot_p50_ms']:>20.1f}ms" for name in VARIANTS))
+        lines.append(f"{c[1:]:>8}" + "".join(f"{m[name][c]['request_throughput']:>18.2f}" for name in VARIANTS)
+                     + "".join(f"{result[key][c]:>20.2f}" for key in ratios.values()))
+    lines.append("TPOT p50 (ms): " + "; ".join(
+        f"{name} " + " / ".join(f"{result['medians'][name][c]['tpot_p50_ms']:.1f}" for c in result["medians"][name])
+        for name in VARIANTS))
     lines.append(f"load average before {result['config']['load_avg_before']}, after {result['config']['load_avg_after']}")
     return "\n".join(lines)
