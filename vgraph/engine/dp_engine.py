@@ -1,7 +1,8 @@
 """``DataParallelEngine``: N independent engine replicas behind one server, as one engine.
 
 Scale-out within a machine: each replica is a whole engine (its own scheduler, model copy and
-KV cache), and this class presents the interface the server uses of one ``AsyncEngine``
+KV cache; an ``EngineCoreClient`` over its own engine-core process, or an ``AsyncEngine``
+thread), and this class presents the interface the server uses of one ``AsyncEngine``
 (``start``/``wait_ready``/``shutdown``, ``add_requests``/``generate``/``abort``, the
 ``on_step``/``on_fatal`` callbacks, the facts about the model), so the routes, the metrics and
 the lifecycle do not know how many replicas there are.
@@ -40,7 +41,8 @@ Items = Sequence[tuple[str, PromptType, SamplingParams]]
 
 
 class Replica(Protocol):
-    """What this class needs of each replica: the ``AsyncEngine`` interface."""
+    """What this class needs of each replica: the ``AsyncEngine`` interface (which
+    ``EngineCoreClient`` has too)."""
 
     on_step: Optional[Callable[[StepOutput], None]]
     on_fatal: Optional[Callable[[BaseException], None]]
