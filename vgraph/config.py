@@ -196,8 +196,13 @@ class CompileConfig:
         "ops the graph is split at (attention runs between compiled pieces)", nargs="+"))
     compile_sizes: list[int] = field(default_factory=list, metadata=cli(
         "token counts compiled statically besides the dynamic shape", nargs="*"))
-    enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul)",
+    enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul, all-reduce+RMSNorm)",
                                                            negative="--no-fusion"))
+    # Part of the fusion passes: off here, or with enable_fusion, the pass is not in the pass
+    # manager, whose uuid (and so the compile cache key) changes with it.
+    enable_allreduce_fusion: bool = field(default=True, metadata=cli(
+        "under tensor parallelism, fuse each all-reduce with the residual add and RMSNorm after it",
+        negative="--no-allreduce-fusion"))
     # Pass objects, PlacedPass (a pass and its position) or specs ("[before:]module:Name",
     # "[before:]path/to/file.py:Name"), which are loaded here: see vgraph/passes/loading.py.
     passes: list = field(default_factory=list, metadata=cli(

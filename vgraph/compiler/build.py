@@ -27,7 +27,8 @@ def build_pass_manager(config: EngineConfig) -> Optional[Any]:
     if not config.compile.enable_fusion and not config.compile.passes:
         return None
     from vgraph.passes import PassManager, arrange, default_passes
-    own = default_passes(lift_plain_torch=config.compile.custom_ops is not False)
+    own = default_passes(lift_plain_torch=config.compile.custom_ops is not False,
+                         all_reduce=config.compile.enable_allreduce_fusion)
     passes = arrange(own if config.compile.enable_fusion else [], config.compile.passes)
     return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
 
