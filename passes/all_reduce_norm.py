@@ -73,9 +73,8 @@ class AllReduceRMSNormFusionPass(VgraphPass):
     def apply(self, graph: Graph) -> Counter:
         counts: Counter = Counter()
         waits = [node for node in graph.nodes if is_call(node, WAIT)]
-        order = node_order(graph)
         # Each match consumes its own all-reduce and norm, so rewriting one leaves the other
-        # candidates' nodes intact; the order map stays valid for the nodes it is asked about.
+        # candidates' nodes intact.
         for wait in waits:
             reduced = _sum_all_reduce(wait)
             reader = only_user(wait)
@@ -84,7 +83,7 @@ class AllReduceRMSNormFusionPass(VgraphPass):
             if is_call(reader, *_FUSED_FOR):
                 fused = _fuse_norm_op(graph, reduced, wait, reader)
             elif self.plain_torch and is_call(reader, ADD):
-                fused = _fuse_plain(graph, reduced, wait, reader, order)
+                fused = _fuse_plain(graph, reduced, wait, reader)
             else:
                 fused = None
             if fused is not None:
@@ -126,8 +125,7 @@ def _fuse_norm_op(graph: Graph, reduced: Node, wait: Node, norm: Node) -> Option
     return op_name(target)
 
 
-def _fuse_plain(graph: Graph, reduced: Node, wait: Node, add: Node,
-                order: dict[Node, int]) -> Optional[str]:
+def _fuse_plain(graph: Graph, reduced: Node, wait: Node, add: Node) -> Optional[str]:
     """``h = ar + r`` then the decomposed RMSNorm of ``h``; ``h`` keeps its other readers."""
     residual = _other_operand(add, wait)
     if residual is None or not _same_shape_and_dtype(add, wait, residual):
@@ -136,7 +134,7 @@ def _fuse_plain(graph: Graph, reduced: Node, wait: Node, add: Node,
     if norm is None:
         return None
     out, weight, eps, inner = norm
-    if not defined_before(weight, add, order):
+    if not defined_before(weight, add, node_order(graph)):  # the graph as rewritten so far
         return None
     reduce_args = op_args(reduced)
     with graph.inserting_before(add):

@@ -8,10 +8,9 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from tests.gloo_group import single_rank_group
-from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
+from vgraph.ops.norm import fused_add_rms_norm_reference
 from vgraph.passes import AllReduceRMSNormFusionPass, PassManager, default_passes
 
 from . import EPS, V, apply, assert_outputs_match, op_counts, scale, trace
