@@ -85,3 +85,20 @@ def two_rank_sum(rank: int, world_size: int, group_name: str) -> None:
 
 def test_two_ranks_sum_their_partials():
     spawn_ranks(two_rank_sum, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_runs_nccl_then_the_triton_norm(group_name, dtype):
+    """The CUDA kernel (NCCL all-reduce, then the Triton fused_add_rms_norm) against the
+    reference, on a 1-rank NCCL group beside the gloo default group."""
+    import torch.distributed as dist
+    nccl = dist.new_group([0], backend="nccl")
+    (x,), r, w = _inputs(dtype, tokens=33, hidden=4096)
+    out, residual = V.all_reduce_fused_add_rms_norm(x.cuda(), r.cuda(), w.cuda(), EPS, nccl.group_name)
+    ref_out, ref_residual = fused_add_rms_norm_reference(x, r, w, EPS)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu(), ref_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(residual.cpu(), ref_residual, rtol=0, atol=0)
+    dist.destroy_process_group(nccl)
