@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import EngineConfig
+from ..distributed.state import tp_group
 from ..paths import cache_dir
 from .backend import VgraphBackend
 from .cache import CompileCache, stable_hash
@@ -78,8 +79,9 @@ def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_conf
                            device: torch.device) -> tuple[CompiledForward, CompileCounters, CompileCache]:
     manager = build_pass_manager(config)
     compile_config = _cache_policy(config.compile, manager)
+    tp = tp_group()  # each rank compiles its own shard's graph: its own cache entry
     fields = key_fields(config, hf_config, model.dtype, manager.uuid() if manager else None, device,
-                        model_layout(model))
+                        model_layout(model), tp.rank, tp.world_size)
     key = stable_hash(fields)
     description = {**entry_description(model, config, hf_config, manager, device),
                    "key": key_summary(fields, pass_uuids(manager))}
