@@ -128,6 +128,8 @@ def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds:
                     c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
                     c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
                     c.cache_saves)
+    if c.compiled_collectives:
+        logger.info("%d collectives (tensor parallelism) compiled inside the pieces", c.compiled_collectives)
     if c.pass_matches:
         logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
     if cache.writable:

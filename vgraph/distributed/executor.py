@@ -216,6 +216,7 @@ class MultiprocExecutor:
 
 
 def _died(worker: _Worker) -> WorkerFailed:
+    worker.process.join(_GRACE_S)  # reaped, so that its exit code is known
     code = worker.process.exitcode
     how = f"exit code {code}"
     if code is not None and code < 0:
