@@ -96,7 +96,8 @@ class MultiprocExecutor:
         self.vocab_size = infos[0].vocab_size
         self.startup: StartupReport = infos[0].startup
         self.compile_counters = infos[0].compile_counters
-        self.compile_cache = None  # in the workers; their entries are per rank
+        self.compile_cache = None  # lives in the workers: one entry per rank
+        self.compile_cache_folders = [info.compile_cache_folder for info in infos]
         self._encoder = StepEncoder(self.vocab_size)
         logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
                     ", ".join(map(str, self.pids)), config.parallel.distributed_backend,

@@ -52,6 +52,7 @@ class WorkerInfo:
     vocab_size: int
     startup: StartupReport
     compile_counters: Optional[Any]  # CompileCounters (None when eager)
+    compile_cache_folder: Optional[str]  # this rank's compile cache entry (None when eager or unsaved)
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
@@ -96,7 +97,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     torch.manual_seed(config.model.seed)
     runner = ModelRunner(config)
     conn.send(("ok", WorkerInfo(args.rank, os.getpid(), runner.num_blocks, runner.max_model_len,
-                                runner.vocab_size, runner.startup, runner.compile_counters)))
+                                runner.vocab_size, runner.startup, runner.compile_counters,
+                                _cache_folder(runner))))
     mirror = RequestMirror()
     while True:
         command, payload = conn.recv()
@@ -114,3 +116,8 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
 def _step(runner: Any, mirror: RequestMirror, msg: StepMessage, rank: int) -> Any:
     result = runner.execute(mirror.apply(msg), msg.masks)
     return result if rank == 0 else None
+
+
+def _cache_folder(runner: Any) -> Optional[str]:
+    cache = runner.compile_cache
+    return str(cache.folder) if cache is not None and cache.folder is not None else None
