@@ -120,6 +120,34 @@ def test_fp8_variant_after_the_norm_quant_fusion(group):
     assert_outputs_match(gm(x, r, w, scale()), f(x, r, w, scale()))
 
 
+def test_static_fp8_decoder_through_every_pass(group):
+    """A static-fp8 TP decoder's norm sites, L = 2: the first norm (after the embedding's
+    all-reduce) fuses with its quant only; each o_proj/down_proj all-reduce with the add, norm
+    and quant after it; the final norm feeds the unquantized lm_head, so it fuses without quant."""
+    x, _, w = inputs()
+
+    def f(x, w, s):
+        h = reduced(x, group)                                              # vocab-parallel embedding
+        residual, h = h, V.static_scaled_fp8_quant(V.rms_norm(h, w, EPS), s).float()
+        for layer in range(2):
+            if layer:
+                h, residual = V.fused_add_rms_norm(reduced(h, group), residual, w, EPS)
+                h = V.static_scaled_fp8_quant(h, s).float()                # qkv_proj input
+            h, residual = V.fused_add_rms_norm(reduced(h * 0.5, group), residual, w, EPS)
+            h = V.static_scaled_fp8_quant(h, s).float() * 0.25             # "MLP"
+        return V.fused_add_rms_norm(reduced(h, group), residual, w, EPS)[0]
+
+    manager = PassManager(default_passes())
+    gm = apply(manager, trace(f, x, w, scale()))
+    steps = {step.name: step.patterns for step in manager.history[-1].steps}
+    assert steps["RMSNormQuantFusionPass"] == {"rms_norm_static_fp8_quant": 1,
+                                               "fused_add_rms_norm_static_fp8_quant": 3}
+    assert steps["AllReduceRMSNormFusionPass"] == {"all_reduce_fused_add_rms_norm_static_fp8_quant": 3,
+                                                   "all_reduce_fused_add_rms_norm": 1}
+    assert op_counts(gm.graph)[ALL_REDUCE] == 1  # the embedding's
+    assert_outputs_match(gm(x, w, scale()), f(x, w, scale()))
+
+
 def test_each_site_counts(group):
     """Two layers' row-parallel outputs, each all-reduced into the next norm: 2 per layer."""
     x, r, w = inputs()
