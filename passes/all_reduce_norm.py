@@ -43,8 +43,10 @@ from .fx_utils import (copy_meta, defined_before, dtype_of, is_call, is_last_dim
 _vg = torch.ops.vgraph
 _aten = torch.ops.aten
 _prims = torch.ops.prims
-ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
-WAIT = torch.ops._c10d_functional.wait_tensor.default
+# A torch built without distributed support has no functional collectives: nothing to match.
+_DISTRIBUTED = torch.distributed.is_available()
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default if _DISTRIBUTED else None
+WAIT = torch.ops._c10d_functional.wait_tensor.default if _DISTRIBUTED else None
 FUSED_ADD_RMS_NORM = _vg.fused_add_rms_norm.default
 FUSED_ADD_RMS_NORM_STATIC = _vg.fused_add_rms_norm_static_fp8_quant.default
 AR_FUSED_ADD_RMS_NORM = _vg.all_reduce_fused_add_rms_norm.default
@@ -72,6 +74,8 @@ class AllReduceRMSNormFusionPass(VgraphPass):
 
     def apply(self, graph: Graph) -> Counter:
         counts: Counter = Counter()
+        if not _DISTRIBUTED:
+            return counts
         waits = [node for node in graph.nodes if is_call(node, WAIT)]
         # Each match consumes its own all-reduce and norm, so rewriting one leaves the other
         # candidates' nodes intact.
