@@ -15,6 +15,7 @@ depends on torch and triton only, so fusion-pass research can use it on any mode
 from __future__ import annotations
 
 from .activation import silu_and_mul
+from .all_reduce_norm import all_reduce_fused_add_rms_norm, all_reduce_fused_add_rms_norm_static_fp8_quant
 from .attention import paged_attention, paged_attention_decode_split_kv
 from .fp8 import dynamic_per_token_scaled_fp8_quant, fp8_gemm, static_scaled_fp8_quant
 from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_per_token_fp8_quant,
@@ -43,6 +44,7 @@ __all__ = [
     "static_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant", "fp8_gemm",
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
+    "all_reduce_fused_add_rms_norm", "all_reduce_fused_add_rms_norm_static_fp8_quant",
     "reshape_and_cache", "packed_linear", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "build_cpu_kernels",
 ]

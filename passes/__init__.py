@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .all_reduce_norm import AllReduceRMSNormFusionPass
 from .base import CallablePass, VgraphPass, as_pass
 from .loading import PassSpecError, PlacedPass, arrange, load_pass, position_of
 from .manager import GraphRecord, PassManager, PassStep, default_passes
@@ -24,7 +25,7 @@ from .rms_norm_quant import RMSNormQuantFusionPass
 from .silu_mul import SiluMulFusionPass
 
 __all__ = ["PassManager", "default_passes", "VgraphPass", "CallablePass", "as_pass",
-           "RMSNormQuantFusionPass", "SiluMulFusionPass", "GraphRecord", "PassStep",
+           "RMSNormQuantFusionPass", "SiluMulFusionPass", "AllReduceRMSNormFusionPass", "GraphRecord", "PassStep",
            "PlacedPass", "PassSpecError", "load_pass", "position_of", "arrange", "report"]
 
 

@@ -34,6 +34,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import AnyPass, as_pass, source_of
+from .all_reduce_norm import AllReduceRMSNormFusionPass
 from .fx_utils import op_counts, target_name
 from .rms_norm_quant import RMSNormQuantFusionPass
 from .silu_mul import SiluMulFusionPass
@@ -41,15 +42,20 @@ from .silu_mul import SiluMulFusionPass
 logger = logging.getLogger("vgraph.passes")
 
 
-def default_passes(lift_plain_torch: bool = True) -> list[AnyPass]:
+def default_passes(lift_plain_torch: bool = True, all_reduce: bool = True) -> list[AnyPass]:
     """vgraph's shipped passes, in the order they run.
 
-    ``lift_plain_torch=False`` leaves a plain-torch SiLU-and-mul to Inductor instead of
-    turning it into ``vgraph::silu_and_mul``: for a model built without custom ops, whose
-    user asked for Inductor's kernels (on CPU the op is the reference, run aten call by aten
-    call, where Inductor emits one fused loop).
+    ``lift_plain_torch=False`` leaves a plain-torch SiLU-and-mul (and a plain-torch RMSNorm
+    after an all-reduce) to Inductor instead of turning it into a vgraph op: for a model built
+    without custom ops, whose user asked for Inductor's kernels (on CPU the op is the
+    reference, run aten call by aten call, where Inductor emits one fused loop).
+    ``all_reduce=False`` leaves out the all-reduce + RMSNorm fusion (tensor parallelism). It
+    runs last, so that a norm already fused with its fp8 quant fuses with the all-reduce too.
     """
-    return [RMSNormQuantFusionPass(), SiluMulFusionPass(plain_torch=lift_plain_torch)]
+    passes: list[AnyPass] = [RMSNormQuantFusionPass(), SiluMulFusionPass(plain_torch=lift_plain_torch)]
+    if all_reduce:
+        passes.append(AllReduceRMSNormFusionPass(plain_torch=lift_plain_torch))
+    return passes
 
 
 @dataclass

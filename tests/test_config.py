@@ -66,6 +66,7 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "splitting_ops": [(["--splitting-ops", "a::b", "c::d"], ["a::b", "c::d"])],
     "compile_sizes": [(["--compile-sizes", "4", "8"], [4, 8])],
     "enable_fusion": [(["--no-fusion"], False)],
+    "enable_allreduce_fusion": [(["--no-allreduce-fusion"], False)],
     "passes": [(["--pass", "tests.test_config:NoopPass", "--pass", "tests.test_config:count_nodes"],
                 [NoopPass(), count_nodes])],
     "custom_ops": [(["--custom-ops"], True), (["--no-custom-ops"], False)],

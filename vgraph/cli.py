@@ -298,14 +298,16 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         raise UserError("--enforce-eager turns compilation off; nothing to compile")
     start = time.perf_counter()
     engine = _llm_from_args(args).engine
-    c, cache = engine.runner.compile_counters, engine.runner.compile_cache
+    c = engine.runner.compile_counters
+    # Tensor parallelism: rank 0's counters, and every rank's entry (each compiles its shard).
+    folders = getattr(engine.runner, "compile_cache_folders", None) or [engine.runner.compile_cache.folder]
     print(f"model:          {engine.config.model.model}")
     print(f"pieces:         {c.pieces} ({c.compiled_pieces} compiled, {c.unique_piece_graphs} distinct graphs)")
     print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
     print(f"cache loads:    {c.cache_loads} in {c.cache_load_seconds:.2f} s; saves: {c.cache_saves}")
     print(f"captured graph: {_captured_status(c.captured_graph)}")
     print("pass matches:   " + (", ".join(f"{k}={v}" for k, v in c.pass_matches.items()) or "none"))
-    print(f"cache folder:   {cache.folder}")
+    print(f"cache folder:   {', '.join(map(str, folders))}")
     print(f"total:          {time.perf_counter() - start:.2f} s")
     return 0
 

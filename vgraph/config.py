@@ -25,6 +25,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.fl
            "half": torch.float16, "bfloat16": torch.bfloat16}
 
 LOAD_FORMATS = ("auto", "dummy")
+DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("fp8",)
 
@@ -196,8 +197,13 @@ class CompileConfig:
         "ops the graph is split at (attention runs between compiled pieces)", nargs="+"))
     compile_sizes: list[int] = field(default_factory=list, metadata=cli(
         "token counts compiled statically besides the dynamic shape", nargs="*"))
-    enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul)",
+    enable_fusion: bool = field(default=True, metadata=cli("vgraph's fusion passes (RMSNorm+quant, SiLU+mul, all-reduce+RMSNorm)",
                                                            negative="--no-fusion"))
+    # Part of the fusion passes: off here, or with enable_fusion, the pass is not in the pass
+    # manager, whose uuid (and so the compile cache key) changes with it.
+    enable_allreduce_fusion: bool = field(default=True, metadata=cli(
+        "under tensor parallelism, fuse each all-reduce with the residual add and RMSNorm after it",
+        negative="--no-allreduce-fusion"))
     # Pass objects, PlacedPass (a pass and its position) or specs ("[before:]module:Name",
     # "[before:]path/to/file.py:Name"), which are loaded here: see vgraph/passes/loading.py.
     passes: list = field(default_factory=list, metadata=cli(
@@ -268,6 +274,42 @@ class CompileConfig:
         return self.cudagraph_mode
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (vgraph/distributed/): tensor parallelism shards
+    every layer's heads and MLP over ``tensor_parallel_size`` worker processes, one per device,
+    which all-reduce over torch.distributed (gloo on CPU, NCCL on CUDA: see ``resolved``)."""
+
+    tensor_parallel_size: int = field(default=1, metadata=cli(
+        "worker processes (one per device) that each hold 1/N of the attention heads, the MLP and the "
+        "vocabulary, and their own KV cache; 1 runs the model in the engine's process"))
+    # None: resolved from the device (gloo on CPU, nccl on CUDA).
+    distributed_backend: Optional[str] = field(default=None, metadata=cli(
+        "torch.distributed backend of the tensor-parallel group (default: gloo on CPU, nccl on CUDA)",
+        choices=list(DISTRIBUTED_BACKENDS)))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.distributed_backend is not None and self.distributed_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"unsupported distributed_backend {self.distributed_backend!r}; choose one of "
+                             f"{', '.join(DISTRIBUTED_BACKENDS)}")
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+    def resolved(self, device_type: str) -> "ParallelConfig":
+        """The backend decided for the device: NCCL needs CUDA tensors and gloo's CUDA support is
+        partial, so each device has its one backend; an explicit mismatch is an error here rather
+        than a hang or crash inside the first collective."""
+        wanted = "nccl" if device_type == "cuda" else "gloo"
+        if self.distributed_backend is not None and self.distributed_backend != wanted:
+            raise ValueError(f"distributed_backend {self.distributed_backend!r} does not run on {device_type}; "
+                             f"use {wanted!r} (or leave it unset)")
+        return replace(self, distributed_backend=wanted)
+
+
 def _loaded_passes(passes: list) -> list:
     """Specs loaded into passes (a bad spec or position is a ValueError naming it); imported
     here, not at module level, so a config without passes never imports the pass library."""
@@ -284,6 +326,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = field(default="auto", metadata=cli("auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     max_logprobs: int = field(default=20, metadata=cli("largest logprobs / top_logprobs a request may ask"))
 
@@ -308,6 +351,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings "
                              f"{max_position_embeddings}")
         kind = torch.device(device).type
+        _check_parallel_devices(device, self.parallel.tensor_parallel_size)
         c = self.compile
         # Lists copied: a caller who changes its own lists later does not change this engine.
         compile_config = replace(c, custom_ops=c.resolved_custom_ops(kind, quantized),
@@ -316,14 +360,15 @@ class EngineConfig:
                                  cudagraph_capture_sizes=None if c.cudagraph_capture_sizes is None
                                  else list(c.cudagraph_capture_sizes))
         return replace(self, device=device, compile=compile_config,
-                       scheduler=self.scheduler.resolved(kind, wanted),
+                       scheduler=self.scheduler.resolved(kind, wanted), parallel=self.parallel.resolved(kind),
                        model=replace(self.model, model=str(model_path), max_model_len=wanted))
 
     @property
     def is_resolved(self) -> bool:
         return (self.device != "auto" and self.model.max_model_len is not None
                 and self.scheduler.max_num_batched_tokens is not None
-                and self.compile.custom_ops is not None and self.compile.cudagraph_mode is not None)
+                and self.compile.custom_ops is not None and self.compile.cudagraph_mode is not None
+                and self.parallel.distributed_backend is not None)
 
     @property
     def torch_device(self) -> torch.device:
@@ -358,14 +403,30 @@ class EngineConfig:
             compile_config = replace(compile_config, **parts["compile"])
         return cls(model=ModelConfig(model=model, **parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
-                   compile=compile_config or CompileConfig(**parts["compile"]), **parts["engine"])
+                   compile=compile_config or CompileConfig(**parts["compile"]),
+                   parallel=ParallelConfig(**parts["parallel"]), **parts["engine"])
+
+
+def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
+    """Tensor parallelism on CUDA puts rank r on ``cuda:r`` (restrict the choice with
+    CUDA_VISIBLE_DEVICES): there must be a device per rank, and a fixed ``cuda:N`` cannot hold
+    several ranks."""
+    if tensor_parallel_size == 1 or not device.startswith("cuda"):
+        return
+    if device != "cuda":
+        raise ValueError(f"device {device!r} names one GPU, but tensor_parallel_size={tensor_parallel_size} "
+                         "puts rank r on cuda:r; pass device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
+    visible = torch.cuda.device_count()
+    if tensor_parallel_size > visible:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA devices, "
+                         f"but {visible} {'is' if visible == 1 else 'are'} visible")
 
 
 # Where each engine argument lives: section name -> its dataclass ("engine": EngineConfig's own).
 # ``ModelConfig.model`` is the positional argument; the section fields of EngineConfig are
 # the sections themselves.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "compile": CompileConfig, "engine": EngineConfig}
+                             "compile": CompileConfig, "parallel": ParallelConfig, "engine": EngineConfig}
 _ARGUMENTS = [(f.name, section) for section, kind in SECTIONS.items() for f in fields(kind)
               if f.name not in SECTIONS]
 FIELD_SECTION: dict[str, str] = dict(_ARGUMENTS)

@@ -22,7 +22,7 @@ from . import captured_graph as captured
 from .cache import CompileCache
 from .counters import CompileCounters
 from .piece import PieceRunner, TokenDim, find_token_dim
-from .split import split_graph
+from .split import count_collectives, split_graph
 from .warm_load import WarmLoadSettings
 
 logger = logging.getLogger("vgraph")
@@ -132,6 +132,7 @@ class VgraphBackend:
         split, pieces = split_graph(gm, self.config.splitting_ops)
         compiled = {p.name for p in pieces if not p.is_splitting_op}
         self.counters.pieces, self.counters.compiled_pieces = len(pieces), len(compiled)
+        self.counters.compiled_collectives = sum(count_collectives(p.module) for p in pieces if p.name in compiled)
         self.cache.bind_graph(graph_hash(gm))
         fake_mode = detect_fake_mode(example_inputs)
         real_by_fake: dict[int, torch.Tensor] = {}

@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import EngineConfig
+from ..distributed.state import tp_group
 from ..paths import cache_dir
 from .backend import VgraphBackend
 from .cache import CompileCache, stable_hash
@@ -27,7 +28,8 @@ def build_pass_manager(config: EngineConfig) -> Optional[Any]:
     if not config.compile.enable_fusion and not config.compile.passes:
         return None
     from vgraph.passes import PassManager, arrange, default_passes
-    own = default_passes(lift_plain_torch=config.compile.custom_ops is not False)
+    own = default_passes(lift_plain_torch=config.compile.custom_ops is not False,
+                         all_reduce=config.compile.enable_allreduce_fusion)
     passes = arrange(own if config.compile.enable_fusion else [], config.compile.passes)
     return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
 
@@ -78,8 +80,9 @@ def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_conf
                            device: torch.device) -> tuple[CompiledForward, CompileCounters, CompileCache]:
     manager = build_pass_manager(config)
     compile_config = _cache_policy(config.compile, manager)
+    tp = tp_group()  # each rank compiles its own shard's graph: its own cache entry
     fields = key_fields(config, hf_config, model.dtype, manager.uuid() if manager else None, device,
-                        model_layout(model))
+                        model_layout(model), tp.rank, tp.world_size)
     key = stable_hash(fields)
     description = {**entry_description(model, config, hf_config, manager, device),
                    "key": key_summary(fields, pass_uuids(manager))}
@@ -126,6 +129,8 @@ def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds:
                     c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
                     c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
                     c.cache_saves)
+    if c.compiled_collectives:
+        logger.info("%d collectives (tensor parallelism) compiled inside the pieces", c.compiled_collectives)
     if c.pass_matches:
         logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
     if cache.writable:

@@ -2,8 +2,9 @@
 
 The key is content-based: versions, the device, the model's config and dtype, quantization,
 the compile config, each pass's uuid (a hash of its source and settings, passes/identity.py),
-the module layout the model was built with, and the rank and world size (0 and 1 until tensor
-parallelism: each rank compiles its own shard's graph). Nothing in it names a place: the
+the module layout the model was built with, and the tensor-parallel rank and world size (each
+rank compiles its own shard's graph, whose shapes and collectives differ; 0 and 1 without
+tensor parallelism). Nothing in it names a place: the
 checkpoint's path and the home directory are left out, so a checkpoint copied elsewhere, or a
 cache copied to another machine with the same versions, is used as it is.
 
@@ -20,8 +21,7 @@ from ..config import EngineConfig
 from .cache import ARTIFACT_FORMAT, environment_fingerprint, stable_hash
 from .captured_graph import RECORD_FORMAT
 
-# Until tensor parallelism exists every engine is rank 0 of 1; the fields are in the key now so
-# that sharded compiles get their own entries without invalidating today's.
+# Key-only callers (``vgraph cache``) without a tensor-parallel group describe rank 0 of 1.
 RANK, WORLD_SIZE = 0, 1
 
 

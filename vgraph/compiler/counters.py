@@ -10,6 +10,9 @@ class CompileCounters:
     pieces: int = 0  # pieces of the last split graph (2L + 1 for L attention layers)
     compiled_pieces: int = 0  # pieces that go through Inductor (L + 1)
     unique_piece_graphs: int = 0  # distinct piece graphs (identical layers share one)
+    # torch.distributed functional collectives (all_reduce, ...) traced inside the compiled pieces
+    # (tensor parallelism); counted when the graph is traced, so 0 on a warm load.
+    compiled_collectives: int = 0
     inductor_compilations: int = 0  # standalone_compile calls actually made
     cache_loads: int = 0
     cache_saves: int = 0

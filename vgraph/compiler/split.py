@@ -50,3 +50,13 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: list[str]) -> tuple[tor
             module = getattr(split, node.target)
             pieces.append(Piece(node.target, any(_is_splitting(n, ops) for n in module.graph.nodes), module))
     return split, pieces
+
+
+COLLECTIVE_NAMESPACE = "_c10d_functional"
+
+
+def count_collectives(module: torch.fx.GraphModule) -> int:
+    """Functional collectives issued in ``module`` (``wait_tensor`` is their completion, not one)."""
+    return sum(1 for n in module.graph.nodes if n.op == "call_function"
+               and op_name(n.target).startswith(COLLECTIVE_NAMESPACE + "::")
+               and not op_name(n.target).endswith("::wait_tensor"))

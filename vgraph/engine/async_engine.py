@@ -344,9 +344,11 @@ class AsyncEngine:
             self._serve(engine)
         except BaseException as exc:
             logger.exception("engine step failed; the engine is dead")
+            engine.close()
             self._stopped.set()
             self._post(self._on_fatal, exc)
             return
+        engine.close()  # tensor-parallel workers stop with the engine
         self._stopped.set()
 
     def _serve(self, engine: LLMEngine) -> None:

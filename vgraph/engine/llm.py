@@ -32,13 +32,25 @@ class LLM:
         enable_chunked_prefill), ``CompileConfig`` (level, passes, custom_ops, cudagraph_mode,
         ...) and ``EngineConfig`` itself (device, max_logprobs). ``compile_config`` gives a whole
         CompileConfig (CompileConfig keywords then override its fields, on a copy);
-        ``enforce_eager=True`` is ``level="none"``. An unknown keyword is a TypeError naming it;
+        ``enforce_eager=True`` is ``level="none"``. ``ParallelConfig``'s ``tensor_parallel_size``
+        runs the model in that many worker processes (``close()`` stops them). An unknown keyword is a TypeError naming it;
         a bad value, a ValueError naming the choices. See ``EngineConfig.from_kwargs``.
         """
         config = EngineConfig.from_kwargs(model, compile_config=compile_config, enforce_eager=enforce_eager,
                                           **kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); a no-op otherwise. Also
+        done at interpreter exit, and by ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -19,6 +19,9 @@ from ..sampling_params import SamplingParams
 from ..worker.pooling import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.matcher import GrammarState
+from ..distributed.executor import MultiprocExecutor
+from ..distributed.sharding import check_divisible
+from ..models.llama import arch_spec
 from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
 from .detokenizer import IncrementalDetokenizer
@@ -89,7 +92,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(load_generation_config(path))
         torch.manual_seed(self.config.model.seed)
         config_and_tokenizer = time.perf_counter() - start
-        self.runner = ModelRunner(self.config)
+        self.runner = _start_runner(self.config, hf_config)
         # The limit requests are checked against: the configured one, or the KV cache's
         # capacity when that is smaller (the runner warns). /v1/models reports this one.
         self.max_model_len = self.runner.max_model_len
@@ -316,6 +319,12 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
                              group.finished, first.num_cached_prefix_tokens, prompt_logprobs)
 
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (idempotent; they also stop at interpreter
+        exit). A single-process engine holds nothing that needs stopping."""
+        if isinstance(self.runner, MultiprocExecutor):
+            self.runner.close()
+
     def stats(self) -> EngineStats:
         """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""
         pool = self.scheduler.block_pool
@@ -323,3 +332,15 @@ class LLMEngine:
                            kv_usage=pool.usage, prefix_cache_queries=pool.prefix_cache_queries,
                            prefix_cache_hits=pool.prefix_cache_hits,
                            num_preemptions=self.scheduler.num_preemptions)
+
+
+def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
+    """The model runner in this process, or with ``tensor_parallel_size`` > 1 the executor of
+    that many worker processes (vgraph/distributed/executor.py), after checking that the model
+    splits evenly so that a bad size fails before any process starts."""
+    if not config.parallel.is_parallel:
+        return ModelRunner(config)
+    spec = arch_spec(hf_config)
+    check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
+                    spec.intermediate_size)
+    return MultiprocExecutor(config)

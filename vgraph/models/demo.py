@@ -139,6 +139,9 @@ _ARCHS: dict[str, dict[str, Any]] = {
     "llama": {"class": "LlamaForCausalLM", "rope": _LLAMA3_ROPE, "tie_word_embeddings": False},
     "qwen2": {"class": "Qwen2ForCausalLM", "rope": {"rope_type": "default", "rope_theta": 1e6},
               "tie_word_embeddings": True},
+    # Mistral without a sliding window: Llama's layers under Mistral's config and class names
+    "mistral": {"class": "MistralForCausalLM", "rope": {"rope_type": "default", "rope_theta": 1e6},
+                "tie_word_embeddings": False, "sliding_window": None},
     # head_dim 32 != hidden/heads (16): exercises head_dim taken from the config
     "qwen3": {"class": "Qwen3ForCausalLM", "rope": {"rope_type": "default", "rope_theta": 1e6},
               "tie_word_embeddings": True, "head_dim": 32},
@@ -196,7 +199,8 @@ def build_tiny_checkpoint(path: str | os.PathLike, arch: str = "llama", seed: in
     """Writes a tiny random checkpoint (weights, config, generation config, tokenizer).
 
     ``arch``: "llama" (Llama 3.1-style llama3 RoPE scaling, untied), "qwen2" (q/k/v biases,
-    tied embeddings) or "qwen3" (q/k norm, explicit head_dim, tied). ``config_overrides``
+    tied embeddings), "qwen3" (q/k norm, explicit head_dim, tied) or "mistral" (no sliding
+    window, untied). ``config_overrides``
     replace config fields (e.g. ``num_hidden_layers=4``); ``max_shard_size`` (e.g. "100KB")
     writes a sharded checkpoint with an index. Returns the directory.
     """

@@ -15,10 +15,15 @@ SiLU-and-mul in plain torch (the ops' own references, so both modes compute the 
 for Inductor to generate the kernels — attention stays the ``unified_attention`` op either
 way, since it is where the graph splits; ``quant_config`` makes the linear layers fp8
 (see quantization.py).
+
+Tensor parallelism (vgraph/distributed/): built with a ``TPGroup`` of N ranks, each module holds
+its rank's shard (heads, MLP columns, vocabulary rows; sharding.py says which) and the model
+calls a functional all-reduce after each row-parallel projection and the embedding, so the
+residual add and RMSNorm that follow see the full sum, in the same form as at one rank.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 import torch
@@ -30,6 +35,10 @@ from vgraph.ops.activation import silu_and_mul_reference
 from vgraph.ops.kernels.common import FP8_DTYPE
 from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from vgraph.ops.linear import packing_enabled
+
+from ..distributed.collectives import all_gather_last_dim, all_reduce
+from ..distributed.sharding import check_divisible, shard_for_rank, vocab_range, vocab_rows
+from ..distributed.state import TPGroup
 
 from .linear import Linear, MergedLinear, empty_parameter, pack_linears, unpack_linears
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, fp8_linear_from
@@ -118,6 +127,7 @@ class LayerOptions:
     device: Any
     use_custom_ops: bool = True
     quant: Optional[Fp8Config] = None
+    tp: TPGroup = field(default_factory=TPGroup)
 
 
 def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[tuple[str, int]],
@@ -142,12 +152,24 @@ def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[t
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: Any) -> None:
+    """The token embedding; under tensor parallelism, vocab-parallel: this rank's rows of the
+    vocabulary, ids outside them looked up as row 0 and zeroed, and the ranks' rows summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: Any,
+                 tp: Optional[TPGroup] = None) -> None:
         super().__init__()
-        self.weight = empty_parameter(vocab_size, hidden_size, dtype=dtype, device=device)
+        self.tp = tp or TPGroup()
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, self.tp)
+        rows = vocab_rows(vocab_size, self.tp.world_size)
+        self.weight = empty_parameter(rows, hidden_size, dtype=dtype, device=device)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return F.embedding(input_ids, self.weight)
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(mine, input_ids - self.vocab_start, 0)
+        rows = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(rows, self.tp)
 
 
 class RMSNorm(nn.Module):
@@ -177,6 +199,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ArchSpec, layer_idx: int, opts: LayerOptions) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.tp = opts.tp
         self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
@@ -200,7 +223,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = torch.ops.vgraph.unified_attention(q, k, v, self.layer_idx)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)), self.tp)
 
 
 class MLP(nn.Module):
@@ -208,6 +231,7 @@ class MLP(nn.Module):
         super().__init__()
         size = spec.intermediate_size
         self.use_custom_ops = opts.use_custom_ops
+        self.tp = opts.tp
         self.gate_up_proj = make_linear(opts, spec.hidden_size, [("gate", size), ("up", size)],
                                         spec.mlp_bias)
         self.down_proj = make_linear(opts, size, spec.hidden_size, spec.mlp_bias)
@@ -215,8 +239,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
         if self.use_custom_ops:
-            return self.down_proj(torch.ops.vgraph.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul_reference(gate_up))
+            return all_reduce(self.down_proj(torch.ops.vgraph.silu_and_mul(gate_up)), self.tp)
+        return all_reduce(self.down_proj(silu_and_mul_reference(gate_up)), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -243,7 +267,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, opts: LayerOptions) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, opts.dtype, opts.device)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, opts.dtype, opts.device, opts.tp)
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(DecoderLayer(spec, i, opts) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
@@ -275,18 +299,25 @@ class LlamaForCausalLM(nn.Module):
     ``max_model_len`` (default: the config's max_position_embeddings) bounds the RoPE table
     and decides whether a sliding window is a problem. ``use_custom_ops`` picks vgraph's ops
     or plain torch for norms and activations; ``quant_config`` makes the decoder's linear
-    layers fp8. ``dtype`` stays the activation dtype (and the KV cache's) either way.
+    layers fp8. ``dtype`` stays the activation dtype (and the KV cache's) either way. ``tp``
+    (default: one rank) builds this rank's shard: ``num_heads`` and ``num_kv_heads`` are then
+    the rank's own (what its KV cache holds), ``vocab_size`` the model's.
     """
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: Optional[int] = None, use_custom_ops: bool = True,
-                 quant_config: Optional[Fp8Config] = None) -> None:
+                 quant_config: Optional[Fp8Config] = None, tp: Optional[TPGroup] = None) -> None:
         super().__init__()
         check_supported(hf_config, max_model_len)
         spec = arch_spec(hf_config)
         self.spec = spec
-        self.num_layers, self.num_heads = spec.num_layers, spec.num_heads
-        self.num_kv_heads, self.head_dim = spec.num_kv_heads, spec.head_dim
+        self.tp = tp or TPGroup()
+        n = self.tp.world_size
+        check_divisible(n, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
+        local = replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n,
+                        intermediate_size=spec.intermediate_size // n)
+        self.num_layers, self.num_heads = spec.num_layers, local.num_heads
+        self.num_kv_heads, self.head_dim = local.num_kv_heads, spec.head_dim
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         self.softmax_scale = spec.head_dim ** -0.5
         self.dtype = dtype
@@ -295,10 +326,10 @@ class LlamaForCausalLM(nn.Module):
         self._static_fp8 = quant_config is not None and quant_config.static_activations
         max_position = max(hf_config.max_position_embeddings, max_model_len or 0)
         rotary = RotaryEmbedding(spec.head_dim, max_position, rope_parameters(hf_config), device)
-        opts = LayerOptions(dtype, device, use_custom_ops, quant_config)
-        self.model = LlamaModel(spec, rotary, opts)
+        opts = LayerOptions(dtype, device, use_custom_ops, quant_config, self.tp)
+        self.model = LlamaModel(local, rotary, opts)
         # Never quantized: the output distribution is most sensitive to its precision.
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype, device)
+        self.lm_head = Linear(spec.hidden_size, vocab_rows(spec.vocab_size, n), False, dtype, device)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # CPU float32 projections run vgraph's packed GEMM (PackedLinear in models/linear.py), with the
@@ -310,8 +341,13 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (only the rows the sampler needs)."""
-        return self.lm_head(hidden_states).float()
+        """[N, hidden] -> float32 logits [N, vocab] (only the rows the sampler needs). Under
+        tensor parallelism every rank computes its vocabulary rows and gathers the others', so
+        every rank holds the same full logits."""
+        logits = self.lm_head(hidden_states)
+        if self.tp.is_parallel:
+            logits = all_gather_last_dim(logits, self.tp)[..., :self.vocab_size]
+        return logits.float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -399,6 +435,7 @@ class LlamaForCausalLM(nn.Module):
         since a cast would silently drop the scale.
         """
         name, shard = target
+        tensor = shard_for_rank(name, shard, tensor, self.tp, self.vocab_size)
         dest = param.data
         if shard is not None:
             module_name, _, param_name = name.rpartition(".")

@@ -22,6 +22,7 @@ from torch import nn
 
 from vgraph.config import ModelConfig, resolve_dtype
 
+from ..distributed.state import tp_group
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, quantize_weight, resolve_quantization
 from .registry import get_model_class
 
@@ -168,7 +169,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     With ``model_config.load_format == "dummy"`` no weights are read: the parameters are
     filled in place with seeded random values (see :func:`init_dummy_weights`), so only
     config.json is needed. ``use_custom_ops=False`` builds norms and activations in plain torch (for Inductor to
-    generate). Quantization follows ``model_config.quantization`` unless the checkpoint is
+    generate). Under tensor parallelism (``tp_group()`` of more than one rank) the model holds this
+    rank's shard, cut from each checkpoint tensor as it streams in. Quantization follows ``model_config.quantization`` unless the checkpoint is
     itself fp8, which then decides (see quantization.resolve_quantization); an unsupported
     value raises ValueError before anything is built.
     """
@@ -179,7 +181,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     quant = resolve_quantization(model_config.quantization, hf_config)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
     model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len,
-                      use_custom_ops=use_custom_ops, quant_config=quant)
+                      use_custom_ops=use_custom_ops, quant_config=quant, tp=tp_group())
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
@@ -190,9 +192,11 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     stats = LoadStats(weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                       load_seconds=time.perf_counter() - start)
     dummy = ", dummy random weights" if model_config.load_format == "dummy" else ""
-    logger.info("Loaded model %s (%s, %s%s%s): %s of weights in %.2f s", model_config.model,
+    tp = tp_group()
+    shard = f", rank {tp.rank} of {tp.world_size}" if tp.is_parallel else ""
+    logger.info("Loaded model %s (%s, %s%s%s%s): %s of weights in %.2f s", model_config.model,
                 hf_config.architectures[0], str(dtype).removeprefix("torch."), _describe(quant),
-                dummy, format_bytes(stats.weights_bytes), stats.load_seconds)
+                dummy, shard, format_bytes(stats.weights_bytes), stats.load_seconds)
     return model, hf_config, stats
 
 

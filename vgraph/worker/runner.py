@@ -24,7 +24,7 @@ from vgraph.ops import build_cpu_kernels
 from ..compiler.counters import CompileCounters
 from ..config import CudaGraphMode, EngineConfig
 from ..core.scheduler import SchedulerOutput
-from ..structured.bitmask import fill_masks
+from ..structured.bitmask import GrammarMasks, fill_masks
 from ..models.loader import load_model
 from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
@@ -210,10 +210,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> StepResult:
-        return self._step(self.graphs, sched)
+    def execute(self, sched: SchedulerOutput, grammar_masks: Optional[GrammarMasks] = None) -> StepResult:
+        """One step. ``grammar_masks``: the structured-output masks of the sampled rows when the
+        requests' grammars live elsewhere (a tensor-parallel worker gets them from the engine);
+        otherwise they are filled here from the requests."""
+        return self._step(self.graphs, sched, grammar_masks)
 
-    def _step(self, graphs: GraphRunner, sched: SchedulerOutput) -> StepResult:
+    def _step(self, graphs: GraphRunner, sched: SchedulerOutput,
+              grammar_masks: Optional[GrammarMasks] = None) -> StepResult:
         """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
         same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
         (worker/pooling.py) for the requests that ask."""
@@ -221,7 +225,9 @@ class ModelRunner:
             return StepResult({}, None)
         batch, decision = graphs.build(sched)
         # Structured outputs' masks, on the host before the forward (on a GPU, while it runs).
-        masks = fill_masks([r.grammar for r in batch.sampled_requests], self.vocab_size)
+        masks = grammar_masks
+        if masks is None:
+            masks = fill_masks([r.grammar for r in batch.sampled_requests], self.vocab_size)
         rows = graphs.run(batch, decision)
         prompt_logprobs = compute_prompt_logprobs(rows, sched, self.model.compute_logits)
         pooled = pooled_chunks(rows, sched) or None

@@ -1,0 +1,11 @@
+"""Tensor parallelism over torch.distributed: the process's group (``state``), the collectives the
+model calls (``collectives``), how a checkpoint is cut into shards (``sharding``), and the
+executor that runs one worker process per rank (``executor``, ``worker``, ``mirror``).
+
+vgraph writes no communication layer: ranks meet through ``torch.distributed`` (gloo on CPU, NCCL
+on CUDA), and the model's all-reduces are functional collectives, which Dynamo traces into the
+graph and Inductor compiles inside the pieces like any other op.
+"""
+from .state import TPGroup, tp_group
+
+__all__ = ["TPGroup", "tp_group"]

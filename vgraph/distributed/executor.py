@@ -1,0 +1,245 @@
+"""The multiprocessing executor: tensor parallelism over N spawned worker processes.
+
+Design: every rank, rank 0 included, is its own process, and the engine process holds no model.
+Why not rank 0 inside the engine: a rank blocked in a collective cannot notice that another rank
+died (gloo and NCCL wait until their timeout), and the engine must. Here the engine only ever
+waits on pipes, together with every worker's process sentinel, so a worker that dies at any
+moment (startup, a step, a collective) is seen at once: the engine names the rank, kills the
+others (they may be stuck in a collective with the dead one) and raises ``WorkerFailed``; the
+executor then refuses every later step. It costs one pickled message per rank per step, which
+carries only what changed since the last step (mirror.py).
+
+The scheduler runs once, in the engine; each step is broadcast to all ranks, which build the
+same batch and run the same forward (their all-reduces meet in the middle) and the same sampler
+on the same gathered logits; rank 0's result is the step's. Workers are spawned (never forked: a
+forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
+asks each to stop, then terminates what is left; it runs at interpreter exit too.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+from ..config import EngineConfig
+from ..core.scheduler import SchedulerOutput
+from ..worker.runner import StepResult
+from ..worker.startup import StartupReport
+from .mirror import StepEncoder
+from .worker import COUNTERS, SHUTDOWN, STEP, WorkerArgs, WorkerInfo, worker_main
+
+logger = logging.getLogger("vgraph")
+
+# Seconds a collective may wait for the other ranks before it fails (torch.distributed's timeout):
+# long enough for one rank compiling while another loads from the cache.
+COLLECTIVE_TIMEOUT_ENV = "VGRAPH_TP_COLLECTIVE_TIMEOUT_S"
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+_GRACE_S = 5.0  # how long close() lets a worker stop by itself before terminating it
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died or raised; the executor has stopped every rank."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: Any  # multiprocessing.Process (spawn context)
+    conn: Connection
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(world_size: int) -> int:
+    """torch threads each worker uses: the machine's cores shared evenly (at least one)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+class MultiprocExecutor:
+    """Runs ``config.parallel.tensor_parallel_size`` ranks; stands where a ModelRunner stands
+    for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not config.is_resolved:
+            raise ValueError("MultiprocExecutor takes a resolved EngineConfig (EngineConfig.resolved)")
+        self.world_size = config.parallel.tensor_parallel_size
+        self._failure: Optional[WorkerFailed] = None
+        self._closed = False
+        self._workers = self._spawn(config)
+        atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            infos: list[WorkerInfo] = self._broadcast(None)
+        except BaseException:
+            self.close()
+            raise
+        self.pids = [info.pid for info in infos]
+        # Ranks may size their caches differently (CUDA memory): the scheduler uses what all have.
+        self.num_blocks = min(info.num_blocks for info in infos)
+        self.max_model_len = min(info.max_model_len for info in infos)
+        self.vocab_size = infos[0].vocab_size
+        self.startup: StartupReport = infos[0].startup
+        self.compile_counters = infos[0].compile_counters
+        self.compile_cache = None  # lives in the workers: one entry per rank
+        self.compile_cache_folders = [info.compile_cache_folder for info in infos]
+        self._encoder = StepEncoder(self.vocab_size)
+        logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
+                    ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
+                    threads_per_rank(self.world_size))
+
+    def _spawn(self, config: EngineConfig) -> list[_Worker]:
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
+        level = logging.getLogger("vgraph").getEffectiveLevel()
+        workers = []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
+                              timeout, level)
+            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
+            process.start()
+            child.close()  # the worker's end lives in the worker: EOF here when it dies
+            workers.append(_Worker(rank, process, parent))
+        return workers
+
+    # ------------------------------------------------------------------ the engine's calls
+
+    def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Broadcasts the step; returns rank 0's result."""
+        if not sched.scheduled:
+            return StepResult({}, None)
+        self._check_running()
+        return self._broadcast((STEP, self._encoder.encode(sched)))[0]
+
+    def collect_compile_counters(self) -> list[Any]:
+        """Every rank's CompileCounters now (None per rank when eager): recompiles are per rank."""
+        self._check_running()
+        return self._broadcast((COUNTERS, None))
+
+    def close(self) -> None:
+        """Stops every worker (idempotent): asks them to finish, then terminates the rest."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failure is None:
+            for w in self._workers:
+                try:
+                    w.conn.send((SHUTDOWN, None))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + _GRACE_S
+            for w in self._workers:
+                w.process.join(max(0.0, deadline - time.monotonic()))
+        _stop(self._workers)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ the pipes
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise WorkerFailed(self._failure.rank, f"the tensor-parallel executor has stopped: {self._failure}")
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor is closed")
+
+    def _broadcast(self, command: Optional[tuple[str, Any]]) -> list[Any]:
+        """Sends ``command`` to every rank (None: nothing, wait for the startup report) and
+        returns every rank's reply, by rank. Any rank dying or failing first stops them all."""
+        try:
+            if command is not None:
+                for w in self._workers:
+                    w.conn.send(command)
+            return self._replies()
+        except WorkerFailed as failure:
+            self._fail(failure)
+            raise
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            failure = self._find_dead() or WorkerFailed(-1, "a tensor-parallel worker's pipe closed")
+            self._fail(failure)
+            raise failure from None
+
+    def _replies(self) -> list[Any]:
+        pending = {w.conn: w for w in self._workers}
+        replies: list[Any] = [None] * self.world_size
+        while pending:
+            sentinels = {w.process.sentinel: w for w in pending.values()}
+            for ready in wait([*pending, *sentinels]):
+                if ready in pending:
+                    worker = pending.pop(ready)
+                    replies[worker.rank] = self._receive(worker)
+                elif ready in sentinels and sentinels[ready].conn in pending and not sentinels[ready].conn.poll():
+                    raise _died(sentinels[ready])
+        return replies
+
+    @staticmethod
+    def _receive(worker: _Worker) -> Any:
+        try:
+            status, payload = worker.conn.recv()
+        except (EOFError, OSError):
+            worker.process.join(_GRACE_S)
+            raise _died(worker) from None
+        if status == "error":
+            raise WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
+                                            f"failed; the engine stopped every rank.\n{payload}")
+        return payload
+
+    def _find_dead(self) -> Optional[WorkerFailed]:
+        for w in self._workers:
+            w.process.join(0.5)
+            if not w.process.is_alive():
+                return _died(w)
+        return None
+
+    def _fail(self, failure: WorkerFailed) -> None:
+        self._failure = failure
+        logger.error("%s", failure)
+        self._closed = True
+        _stop(self._workers)
+
+
+def _died(worker: _Worker) -> WorkerFailed:
+    worker.process.join(_GRACE_S)  # reaped, so that its exit code is known
+    code = worker.process.exitcode
+    how = f"exit code {code}"
+    if code is not None and code < 0:
+        how = f"signal {signal.Signals(-code).name}"
+    return WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died "
+                                     f"({how}); the engine stopped every rank")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    """Terminates (then kills) every worker still running, and reaps them all."""
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+    for w in workers:
+        w.process.join(_GRACE_S)
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join()
+        w.conn.close()
+
+
+def _close_at_exit(ref: "weakref.ref[MultiprocExecutor]") -> None:
+    executor = ref()
+    if executor is not None:
+        executor.close()

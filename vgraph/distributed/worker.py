@@ -1,0 +1,123 @@
+"""One tensor-parallel rank: a spawned process that joins the group, builds its ModelRunner over
+its shard and KV cache, then runs whatever the engine sends, step by step.
+
+The conversation over the pipe is strictly request/reply: the engine sends one command to every
+rank and waits for every reply before it sends the next, so a pipe never holds more than one
+message. Replies are ``("ok", payload)`` or, when anything fails, ``("error", traceback)`` and
+the process exits. Rank 0 replies with the step's result; the others with None (their sampled
+tokens equal rank 0's: the logits are the same after the gather).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..worker.startup import StartupReport
+from .mirror import RequestMirror, StepMessage
+from .state import destroy_tensor_parallel, init_tensor_parallel
+
+logger = logging.getLogger("vgraph")
+
+# Commands the engine sends.
+STEP, COUNTERS, SHUTDOWN = "step", "counters", "shutdown"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    config: EngineConfig  # resolved; the device is this rank's on CUDA
+    rank: int
+    world_size: int
+    init_method: str
+    threads: int
+    collective_timeout_s: float
+    log_level: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a rank reports once it is ready."""
+
+    rank: int
+    pid: int
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    startup: StartupReport
+    compile_counters: Optional[Any]  # CompileCounters (None when eager)
+    compile_cache_folder: Optional[str]  # this rank's compile cache entry (None when eager or unsaved)
+
+
+def worker_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on ``cuda:r`` (the local rank: one machine), or on the CPU."""
+    return torch.device("cuda", rank) if config.torch_device.type == "cuda" else torch.device("cpu")
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    """The process's entry point (spawned: nothing is inherited but these arguments)."""
+    code = 0
+    try:
+        _serve(args, conn)
+    except EOFError:  # the engine is gone: nothing to report to
+        code = 1
+    except BaseException:  # noqa: BLE001  (everything is reported to the engine, then the process ends)
+        code = 1
+        try:
+            conn.send(("error", f"rank {args.rank}: {traceback.format_exc()}"))
+        except OSError:
+            pass
+    finally:
+        try:
+            destroy_tensor_parallel()
+        except Exception:  # noqa: BLE001  (a broken group cannot be left cleanly; the process ends anyway)
+            pass
+        conn.close()
+    sys.exit(code)
+
+
+def _serve(args: WorkerArgs, conn: Connection) -> None:
+    from ..worker.runner import ModelRunner
+
+    # Only rank 0 tells the startup story; the others speak up for warnings.
+    logging.getLogger("vgraph").setLevel(args.log_level if args.rank == 0 else max(args.log_level, logging.WARNING))
+    torch.set_num_threads(args.threads)
+    device = worker_device(args.config, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    config = replace(args.config, device=str(device))
+    init_tensor_parallel(args.rank, args.world_size, args.init_method, config.parallel.distributed_backend,
+                         args.collective_timeout_s, device)
+    torch.manual_seed(config.model.seed)
+    runner = ModelRunner(config)
+    conn.send(("ok", WorkerInfo(args.rank, os.getpid(), runner.num_blocks, runner.max_model_len,
+                                runner.vocab_size, runner.startup, runner.compile_counters,
+                                _cache_folder(runner))))
+    mirror = RequestMirror()
+    while True:
+        command, payload = conn.recv()
+        if command == STEP:
+            conn.send(("ok", _step(runner, mirror, payload, args.rank)))
+        elif command == COUNTERS:
+            conn.send(("ok", runner.compile_counters))
+        elif command == SHUTDOWN:
+            conn.send(("ok", None))
+            return
+        else:
+            raise RuntimeError(f"unknown command {command!r} from the engine")
+
+
+def _step(runner: Any, mirror: RequestMirror, msg: StepMessage, rank: int) -> Any:
+    result = runner.execute(mirror.apply(msg), msg.masks)
+    return result if rank == 0 else None
+
+
+def _cache_folder(runner: Any) -> Optional[str]:
+    cache = runner.compile_cache
+    return str(cache.folder) if cache is not None and cache.folder is not None else None
