@@ -160,11 +160,25 @@ def run(device: str, quick: bool = False) -> dict:
         for r in range(w["rounds"]):
             for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
                 runs[name].append(_run_batch(llms[name], prompts, w["new_tokens"]))
+        round_trip = _round_trip_s(llms["tp2"].engine.runner)
         counters = {"tp1": [llms["tp1"].engine.runner.compile_counters.as_dict()],
                     "tp2": [c.as_dict() for c in llms["tp2"].engine.runner.collect_compile_counters()]}
         llms["tp2"].close()
-    return _result(device, w, layers, hidden, vocab, decode_rows, prefill_rows, collectives, builds, runs,
-                   counters, load_before, git)
+    result = _result(device, w, layers, hidden, vocab, decode_rows, prefill_rows, collectives, builds, runs,
+                     counters, load_before, git)
+    result["executor_round_trip_ms"] = 1e3 * round_trip
+    return result
+
+
+def _round_trip_s(executor: Any, reps: int = 30) -> float:
+    """Median seconds of one engine -> every rank -> engine exchange with no model work (the
+    compile-counters query): the floor of what the process boundary adds to each step."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        executor.collect_compile_counters()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 def _result(device: str, w: dict, layers: int, hidden: int, vocab: int, decode_rows: int, prefill_rows: int,
@@ -221,6 +235,7 @@ def summarize(result: dict) -> str:
     lines.append(f"  communication per step ({col['all_reduces_per_step']} all-reduces + 1 all-gather): decode "
                  f"{comm['decode_step_ms']:.2f} ms ({100 * comm['decode_fraction_of_tp2_step']:.0f}% of the TP=2 step), "
                  f"prefill {comm['prefill_step_ms']:.2f} ms ({100 * comm['prefill_fraction_of_tp2_step']:.0f}%)")
+    lines.append(f"  engine <-> ranks round trip (no model work): {result['executor_round_trip_ms']:.2f} ms per step")
     return "\n".join(lines)
 
 
