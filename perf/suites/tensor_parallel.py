@@ -13,6 +13,11 @@ Measured, on the ~26M perf checkpoint (``build_perf_checkpoint``: hidden 512, 8 
   greedy tokens each) through ``LLM.generate`` at TP=1 and TP=2, interleaved rounds, medians:
   generated tokens/s, and the median time of a decode step (``LLMEngine.step`` of the whole
   batch, once every request is decoding) and of a prefill step; TP=2's tokens must equal TP=1's.
+- **threads**: at default threads TP=1 runs one process at every core and TP=2 two ranks at
+  ``cores // 2`` each; the threads-1 column (``threads_1``, perf/__main__.py) runs TP=1 at one thread
+  and TP=2 at one thread per rank, which compares the same per-rank kernels and stays readable when
+  other processes hold a core (a 2-thread OpenMP team then waits at every barrier: see
+  ``machine.contention_probe_before_after``).
 - **collectives**: in two spawned processes joined like the engine's ranks (same backend, one
   torch thread each), the functional all-reduce the model issues, timed at the shapes it runs
   ([tokens, hidden] for decode and prefill steps), and the lm_head's all-gather of the sampled
@@ -31,7 +36,6 @@ from typing import Any
 
 import torch
 
-THREADS_1_BUILT_IN = True  # the ranks' threads are the layout under test (cores // N each)
 ROUNDS = 3
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 8, 128, 64
 QUICK = dict(rounds=1, requests=4, prompt_len=64, new_tokens=16)
