@@ -47,11 +47,15 @@ def _start(arch: str, mode: str, tp: int) -> LLM:
 
 
 @functools.lru_cache(maxsize=None)
+def _tp1(arch: str) -> LLM:
+    """The TP=1 reference engine of an arch (eager, in this process), shared by the tests."""
+    return _start(arch, "eager", 1)
+
+
 def _tp1_tokens(arch: str, prompts: tuple[tuple[int, ...], ...]) -> list[list[int]]:
-    """TP=1 (eager, in this process) on the same prompts, batched the same way."""
-    llm = _start(arch, "eager", 1)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                                         GREEDY, use_tqdm=False)]
+    """TP=1 on the same prompts, batched the same way."""
+    return [o.outputs[0].token_ids for o in _tp1(arch).generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                                                GREEDY, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module", params=[(a, m) for m in MODES for a in ARCHS], ids=lambda p: f"{p[0]}-{p[1]}")
@@ -104,7 +108,7 @@ def test_sampling_logprobs_and_structured_outputs_equal_tp1(tp2):
     arch, mode, llm = tp2
     if (arch, mode) != ("llama", "eager"):
         pytest.skip("one configuration covers the step's non-greedy paths")
-    reference = _start(arch, "eager", 1)
+    reference = _tp1(arch)
     prompts = random_prompts([9, 30], llm.engine.vocab_size, seed=11)
     cases = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=10, logprobs=3, ignore_eos=True),
              SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, presence_penalty=0.5),
@@ -123,6 +127,26 @@ def test_sampling_logprobs_and_structured_outputs_equal_tp1(tp2):
                     assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
             if params.structured_outputs is not None:
                 assert a.outputs[0].text in ("yes", "no way")
+
+
+def test_preemption_and_embeddings_equal_tp1(tp2):
+    """Preemption re-sends a request's new blocks to the ranks; pooled hidden states come from
+    rank 0 after the last all-reduce."""
+    arch, mode, llm = tp2
+    if (arch, mode) != ("llama", "eager"):
+        pytest.skip("one configuration covers them")
+    reference = _tp1(arch)
+    # 12 x (150 + 60) tokens overflow the 128-block (2048-token) caches: the newest are preempted.
+    prompts = random_prompts([150] * 12, llm.engine.vocab_size, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    before = llm.engine.scheduler.num_preemptions
+    ours, theirs = _generate(llm, prompts, params), _generate(reference, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before, "the workload should preempt"
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    texts = [{"prompt_token_ids": p} for p in prompts[:3]]
+    for a, b in zip(llm.embed(texts, use_tqdm=False), reference.embed(texts, use_tqdm=False)):
+        torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
+                                   rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------- errors, no process started

@@ -87,6 +87,9 @@ def report(model: str, passes: Sequence[Any] = (), *, default_passes: bool = Tru
         raise ValueError(f"report() sets {', '.join(clashes)} itself (passes via passes= and default_passes=)")
     if tokens < 1 or repeats < 1:
         raise ValueError(f"tokens and repeats must be at least 1, got {tokens} and {repeats}")
+    if engine_kwargs.get("tensor_parallel_size", 1) != 1:
+        raise ValueError("tensor_parallel_size: the pass report times and inspects a model in this process; "
+                         "run it at tensor_parallel_size=1")
     out_dir = Path(out if out is not None else "pass-report").expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     plan = buckets(tuple(decode_sizes), prefill_tokens)
