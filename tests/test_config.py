@@ -75,6 +75,8 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "cudagraph_mode": [(["--cudagraph-mode", "full"], CudaGraphMode.FULL)],
     "cudagraph_capture_sizes": [(["--cudagraph-capture-sizes", "1", "2", "8"], [1, 2, 8])],
     "max_capture_size": [(["--max-capture-size", "64"], 64)],
+    "tensor_parallel_size": [(["--tensor-parallel-size", "2"], 2)],
+    "distributed_backend": [(["--distributed-backend", "gloo"], "gloo")],
     "device": [(["--device", "cpu"], "cpu")],
     "max_logprobs": [(["--max-logprobs", "5"], 5)],
 }

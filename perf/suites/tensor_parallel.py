@@ -13,6 +13,11 @@ Measured, on the ~26M perf checkpoint (``build_perf_checkpoint``: hidden 512, 8 
   greedy tokens each) through ``LLM.generate`` at TP=1 and TP=2, interleaved rounds, medians:
   generated tokens/s, and the median time of a decode step (``LLMEngine.step`` of the whole
   batch, once every request is decoding) and of a prefill step; TP=2's tokens must equal TP=1's.
+- **threads**: at default threads TP=1 runs one process at every core and TP=2 two ranks at
+  ``cores // 2`` each; the threads-1 column (``threads_1``, perf/__main__.py) runs TP=1 at one thread
+  and TP=2 at one thread per rank, which compares the same per-rank kernels and stays readable when
+  other processes hold a core (a 2-thread OpenMP team then waits at every barrier: see
+  ``machine.contention_probe_before_after``).
 - **collectives**: in two spawned processes joined like the engine's ranks (same backend, one
   torch thread each), the functional all-reduce the model issues, timed at the shapes it runs
   ([tokens, hidden] for decode and prefill steps), and the lm_head's all-gather of the sampled
@@ -31,7 +36,6 @@ from typing import Any
 
 import torch
 
-THREADS_1_BUILT_IN = True  # the ranks' threads are the layout under test (cores // N each)
 ROUNDS = 3
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 8, 128, 64
 QUICK = dict(rounds=1, requests=4, prompt_len=64, new_tokens=16)
@@ -160,11 +164,25 @@ def run(device: str, quick: bool = False) -> dict:
         for r in range(w["rounds"]):
             for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
                 runs[name].append(_run_batch(llms[name], prompts, w["new_tokens"]))
+        round_trip = _round_trip_s(llms["tp2"].engine.runner)
         counters = {"tp1": [llms["tp1"].engine.runner.compile_counters.as_dict()],
                     "tp2": [c.as_dict() for c in llms["tp2"].engine.runner.collect_compile_counters()]}
         llms["tp2"].close()
-    return _result(device, w, layers, hidden, vocab, decode_rows, prefill_rows, collectives, builds, runs,
-                   counters, load_before, git)
+    result = _result(device, w, layers, hidden, vocab, decode_rows, prefill_rows, collectives, builds, runs,
+                     counters, load_before, git)
+    result["executor_round_trip_ms"] = 1e3 * round_trip
+    return result
+
+
+def _round_trip_s(executor: Any, reps: int = 30) -> float:
+    """Median seconds of one engine -> every rank -> engine exchange with no model work (the
+    compile-counters query): the floor of what the process boundary adds to each step."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        executor.collect_compile_counters()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 def _result(device: str, w: dict, layers: int, hidden: int, vocab: int, decode_rows: int, prefill_rows: int,
@@ -221,6 +239,7 @@ def summarize(result: dict) -> str:
     lines.append(f"  communication per step ({col['all_reduces_per_step']} all-reduces + 1 all-gather): decode "
                  f"{comm['decode_step_ms']:.2f} ms ({100 * comm['decode_fraction_of_tp2_step']:.0f}% of the TP=2 step), "
                  f"prefill {comm['prefill_step_ms']:.2f} ms ({100 * comm['prefill_fraction_of_tp2_step']:.0f}%)")
+    lines.append(f"  engine <-> ranks round trip (no model work): {result['executor_round_trip_ms']:.2f} ms per step")
     return "\n".join(lines)
 
 

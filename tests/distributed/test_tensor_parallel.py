@@ -125,6 +125,26 @@ def test_sampling_logprobs_and_structured_outputs_equal_tp1(tp2):
                 assert a.outputs[0].text in ("yes", "no way")
 
 
+def test_preemption_and_embeddings_equal_tp1(tp2):
+    """Preemption re-sends a request's new blocks to the ranks; pooled hidden states come from
+    rank 0 after the last all-reduce."""
+    arch, mode, llm = tp2
+    if (arch, mode) != ("llama", "eager"):
+        pytest.skip("one configuration covers them")
+    reference = _start(arch, "eager", 1)
+    # 12 x (150 + 60) tokens overflow the 128-block (2048-token) caches: the newest are preempted.
+    prompts = random_prompts([150] * 12, llm.engine.vocab_size, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    before = llm.engine.scheduler.num_preemptions
+    ours, theirs = _generate(llm, prompts, params), _generate(reference, prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before, "the workload should preempt"
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    texts = [{"prompt_token_ids": p} for p in prompts[:3]]
+    for a, b in zip(llm.embed(texts, use_tqdm=False), reference.embed(texts, use_tqdm=False)):
+        torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding),
+                                   rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- errors, no process started
 
 @pytest.mark.parametrize("size,named", [(3, "num_attention_heads=4, num_key_value_heads=2, intermediate_size=128"),

@@ -45,6 +45,12 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 _GRACE_S = 5.0  # how long close() lets a worker stop by itself before terminating it
 
 
+# Workers are spawned: each re-imports the script that started the engine. A script that builds
+# the LLM at import time, unguarded, makes every worker die at once before it can say why.
+_STARTUP_HINT = ("\nWorkers are spawned processes that import your main module again: a script that "
+                 "creates the LLM at top level must do it under `if __name__ == \"__main__\":`.")
+
+
 class WorkerFailed(RuntimeError):
     """A tensor-parallel worker died or raised; the executor has stopped every rank."""
 
@@ -86,6 +92,11 @@ class MultiprocExecutor:
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
             infos: list[WorkerInfo] = self._broadcast(None)
+        except WorkerFailed as failure:
+            self.close()
+            if " died " not in str(failure):  # it reported its own error
+                raise
+            raise WorkerFailed(failure.rank, f"{failure}{_STARTUP_HINT}") from None
         except BaseException:
             self.close()
             raise
