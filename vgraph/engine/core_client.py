@@ -37,12 +37,14 @@ from .async_engine import (EngineDeadError, EngineNotReadyError, EngineProcessDi
 from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
                          decode_delta, decode_error, decode_stats, decode_timing, encode_params, pack, unpack)
 from .core_process import CoreProcessConfig, run_engine_core
-from .inputs import PromptType, prompt_to_ids
+from .inputs import PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .stats import EngineStats, StepOutput
 
 logger = logging.getLogger("vgraph")
+
+_PREFILL_ONLY = SamplingParams(max_tokens=0)  # what a pooling prompt is checked as (see LLMEngine)
 
 
 class EngineCoreClient:
@@ -133,6 +135,7 @@ class EngineCoreClient:
                 logger.warning("the engine-core process did not stop within %.1f s; killing it", timeout)
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 5.0)
+            logger.info("engine-core process stopped (%s)", _describe_exit(self.process.exitcode))
         self._fail_all(EngineShutdownError("the server is shutting down"))
         if self._reader is not None:
             self._reader.cancel()
@@ -203,14 +206,24 @@ class EngineCoreClient:
         return collector
 
     def _token_ids(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> list[tuple[Optional[str], list[int]]]:
-        """Each prompt as (text, token ids); a text prompt is tokenized here (the routes send ids)."""
+        """Each prompt as (text, token ids), checked as ``LLMEngine.add_request`` checks it (the
+        same errors, in the same order; the core checks again), so that nothing unsendable (a
+        token id beyond 64 bits) reaches the socket. A text prompt is tokenized here."""
         out = []
-        for i, (_, prompt, _) in enumerate(items):
+        for i, (_, prompt, params) in enumerate(items):
             try:
-                out.append(prompt_to_ids(prompt, self.tokenizer))
+                out.append(self._checked_ids(prompt, params))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(items) > 1 else str(exc)) from None
         return out
+
+    def _checked_ids(self, prompt: PromptType, params: Any) -> tuple[Optional[str], list[int]]:
+        generating = isinstance(params, SamplingParams)
+        if generating:
+            params.validate(self.max_logprobs)
+        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        check_prompt(ids, params if generating else _PREFILL_ONLY, self.vocab_size, self.max_model_len)
+        return text, ids
 
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
