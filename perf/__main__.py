@@ -20,7 +20,7 @@ import torch
 
 from .timing import RESULTS_DIR, machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile", "serving", "decode", "hardening", "fusion-study", "structured", "cpu-peers")
+SUITES = ("ops", "offline", "startup", "compile", "serving", "serving-engine-process", "decode", "hardening", "fusion-study", "structured", "cpu-peers")
 
 
 def module_name(suite: str) -> str:

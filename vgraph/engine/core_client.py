@@ -24,6 +24,7 @@ import copy
 import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -63,6 +64,7 @@ class EngineCoreClient:
         self._ipc_dir: Optional[str] = None
         self._zmq: Any = None  # (context, input socket, output socket) once started
         self._reader: Optional[asyncio.Task] = None
+        self._early_tokenizer: Optional[tuple[str, asyncio.Future]] = None  # (path, its load) while the core starts
         self._outputs: Optional[OutputProcessor] = None
         self._collectors: dict[str, OutputCollector] = {}
         self._pending_adds = 0  # sequences submitted that the core has not answered yet
@@ -112,8 +114,26 @@ class EngineCoreClient:
         self.process.start()
         logger.info("engine-core process started (pid %d)", self.process.pid)
         loop = asyncio.get_running_loop()
+        self._load_tokenizer_early()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         self._reader = loop.create_task(self._read_outputs())
+
+    def _load_tokenizer_early(self) -> None:
+        """Starts loading the tokenizer now when it is a local directory, so that it loads
+        while the core builds its engine (a hub id waits for the path the core resolves)."""
+        from ..models.loader import load_tokenizer
+        path = self._config.engine_kwargs.get("tokenizer") or self._config.model
+        if os.path.isdir(path):
+            future = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is the core's to report
+            self._early_tokenizer = (os.path.abspath(path), future)
+
+    async def _tokenizer_for(self, path: str) -> Any:
+        from ..models.loader import load_tokenizer
+        early, self._early_tokenizer = self._early_tokenizer, None
+        if early is not None and os.path.isdir(path) and os.path.abspath(path) == early[0]:
+            return await early[1]
+        return await asyncio.to_thread(load_tokenizer, path)
 
     async def wait_ready(self) -> None:
         """Returns once the engine can take requests; raises the startup error if it failed."""
@@ -301,10 +321,9 @@ class EngineCoreClient:
             logger.exception("handling a %r message from the engine-core process failed", kind)
 
     async def _on_ready(self, facts: EngineFacts) -> None:
-        from ..models.loader import load_tokenizer
         from ..structured.compiler import GrammarCompiler
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, facts.tokenizer_path)
+            tokenizer = await self._tokenizer_for(facts.tokenizer_path)
             worker_tokenizer = copy.deepcopy(tokenizer)  # Rust tokenizers must not be shared across threads
             self.grammar_compiler = GrammarCompiler(copy.deepcopy(tokenizer), facts.vocab_size, facts.eos_token_ids)
         except Exception as exc:
