@@ -198,3 +198,17 @@ def test_killing_the_engine_process_mid_stream_gives_clean_errors_and_a_nonzero_
         proc.check_no_orphans()
     finally:
         proc.close()
+
+
+def test_an_engine_that_fails_to_start_is_reported_by_the_server_in_one_line(tmp_path):
+    """The core process builds the engine; its failure (a damaged checkpoint) reaches the CLI
+    with its type and message: one line and exit 2, as with the engine in process."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    proc = ServerProcess("--model", str(tmp_path), "--enforce-eager", "--device", "cpu")
+    try:
+        assert proc.proc.wait(120) == 2
+        log = proc.log()
+        assert "vgraph serve: error: cannot read" in log and "config.json" in log and "damaged" in log
+        assert "Traceback" not in log and "engine-core process stopped (code 1)" in log
+    finally:
+        proc.close()

@@ -99,8 +99,11 @@ class EngineCoreClient:
         self._ipc_dir = tempfile.mkdtemp(prefix="vgraph-core-")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
         context = zmq.asyncio.Context()
-        commands = context.socket(zmq.PUSH)
-        commands.setsockopt(zmq.SNDHWM, 0)  # never block the event loop: the core drains continuously
+        # Commands go out on a plain (synchronous) socket: a send never blocks the event loop
+        # (no high-water mark, and the core connects before it builds its engine) and fails
+        # at once, not in a future nobody awaits, when no core is there.
+        commands = zmq.Context.shadow(context.underlying).socket(zmq.PUSH)
+        commands.setsockopt(zmq.SNDHWM, 0)
         commands.setsockopt(zmq.LINGER, 0)
         commands.bind(input_address)
         outputs = context.socket(zmq.PULL)
@@ -276,7 +279,10 @@ class EngineCoreClient:
 
     def _send(self, message: list) -> None:
         import zmq
-        self._zmq[1].send(pack(message), flags=zmq.NOBLOCK)
+        try:
+            self._zmq[1].send(pack(message), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no core connected: it exited (its sentinel tells the rest)
+            logger.debug("the engine-core process is not connected; %r not sent", message[0])
 
     def _check_accepting(self, sequences: int) -> None:
         if self.error is not None:
