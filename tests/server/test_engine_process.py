@@ -155,7 +155,7 @@ def test_a_client_disconnect_aborts_in_the_engine_process_and_frees_its_blocks(s
         lines = response.iter_lines()  # kept: a dropped iterator closes the response
         next(lines)
         running = split_server.metrics()
-        assert running["vgraph:num_requests_running"] == 1 and running["vgraph:kv_cache_usage_perc"] > 0
+        assert running["vgraph:num_requests_running{engine=0}"] == 1 and running["vgraph:kv_cache_usage_perc{engine=0}"] > 0
     metrics = split_server.wait_idle()
     assert metrics["vgraph:request_success_total{finished_reason=abort}"] == before + 1
     assert metrics["vllm:num_requests_running"] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0
@@ -181,7 +181,7 @@ def test_killing_the_engine_process_mid_stream_gives_clean_errors_and_a_nonzero_
         waiter = threading.Thread(target=lambda: plain.update(response=proc.post("/v1/completions", body)))
         waiter.start()
         deadline = time.monotonic() + 30
-        while proc.metrics()["vgraph:num_requests_running"] < 2 and time.monotonic() < deadline:
+        while proc.metrics()["vgraph:num_requests_running{engine=0}"] < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         os.kill(proc.engine_pid(), signal.SIGKILL)
         thread.join(30)
