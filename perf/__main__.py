@@ -20,8 +20,8 @@ import torch
 
 from .timing import RESULTS_DIR, machine_info, write_results
 
-SUITES = ("ops", "offline", "startup", "compile", "serving", "serving-dp", "decode", "hardening", "fusion-study", "structured",
-          "cpu-peers", "tensor-parallel")
+SUITES = ("ops", "offline", "startup", "compile", "serving", "serving-dp", "serving-engine-process", "decode",
+          "hardening", "fusion-study", "structured", "cpu-peers", "tensor-parallel")
 
 
 def module_name(suite: str) -> str:

@@ -438,3 +438,76 @@ def plot(result: dict):
                  f"streamed over HTTP; p50 solid, p90 dashed, p99 dotted  [{m.get('date', '')}, "
                  f"{m.get('device', '')}, {m.get('torch_num_threads', '?')} thread(s)]")
     return fig
+
+
+# ---------------------------------------------------------------------------- engine process vs in process
+
+ENGINE_LAYOUTS = {"engine process": (), "in process": ("--engine-in-process",)}
+LAYOUT_CONCURRENCY = (32, 64)
+
+
+def compare_engine_layouts(device: str, quick: bool = False) -> dict:
+    """``vgraph serve`` (compiled, the default) with the engine in its own process vs on a thread
+    of the server process: TTFT and ITL at ``LAYOUT_CONCURRENCY`` streams (closed loop, same
+    requests as above).
+
+    Both servers run at once and the levels alternate between them, A B B A per round, so that
+    a slow stretch of a shared, noisy machine falls on both; the samples of all rounds are
+    pooled per layout and concurrency. The load average before and after is stored."""
+    from .compile import git_state
+    load_before, git = os.getloadavg(), git_state()
+    rounds, max_tokens = (1, 16) if quick else (4, 64)
+    servers = {name: ServerUnderTest(device, eager=False, max_num_seqs=max(LAYOUT_CONCURRENCY), extra_args=args)
+               for name, args in ENGINE_LAYOUTS.items()}
+    records: dict[tuple[str, int], list[dict[str, Any]]] = {(n, c): [] for n in servers for c in LAYOUT_CONCURRENCY}
+    try:
+        startup = {name: server.wait_ready() for name, server in servers.items()}
+        for server in servers.values():
+            asyncio.run(_closed_level(server.url, 4, 8, 8, offset=10_000))  # warm-up
+        offset = 0
+        for r in range(rounds):
+            order = list(servers) if r % 2 == 0 else list(reversed(servers))
+            for c in LAYOUT_CONCURRENCY:
+                for name in (order + order[::-1]) if not quick else order:
+                    n = c if quick else 2 * c
+                    records[name, c].append(_measured(servers[name], _closed_level(servers[name].url, c, n,
+                                                                                      max_tokens, offset)))
+                    offset += n
+    finally:
+        exits = {name: server.stop() for name, server in servers.items()}
+    table = {f"{name} @ {c}": _pooled(levels) for (name, c), levels in records.items()}
+    return {"suite": "serving-engine-process",
+            "config": {"model": "demo model, compiled (the default)", "concurrency": list(LAYOUT_CONCURRENCY),
+                       "max_tokens": max_tokens, "rounds": rounds, "requests_per_level": "C" if quick else "2C",
+                       "order": "A B B A per concurrency, A/B swapped every round; both servers up at once",
+                       "server_flags": f"--max-num-seqs {max(LAYOUT_CONCURRENCY)} --kv-cache-gib 0.25 "
+                                       "(+ --engine-in-process for 'in process')",
+                       "git": git, "load_avg_before": load_before, "load_avg_after": os.getloadavg()},
+            "startup_to_ready_s": startup, "exit_codes_after_sigterm": exits, "pooled": table,
+            "levels": {f"{name} @ {c}": levels for (name, c), levels in records.items()}}
+
+
+def _pooled(levels: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT / TPOT / E2E percentiles over every request of the rounds (their per-request samples
+    are stored); ITL's per-token gaps are not stored, so its percentiles are each level's,
+    averaged over the rounds."""
+    out: dict[str, Any] = {"requests": sum(lv["requests"] for lv in levels),
+                           "request_throughput_mean": statistics.fmean(lv["request_throughput"] for lv in levels)}
+    for m in ("ttft", "tpot", "e2e"):
+        out[f"{m}_ms"] = _stats_ms([v / 1e3 for lv in levels for v in lv["samples"][f"{m}_ms"] if v is not None])
+    for q in PERCENTILES:
+        out[f"itl_p{q}_ms_mean_of_levels"] = statistics.fmean(lv["itl_ms"][f"p{q}"] for lv in levels)
+    out["server_itl_mean_ms"] = statistics.fmean(lv["server_itl_mean_ms"] or 0 for lv in levels)
+    return out
+
+
+def summarize_engine_layouts(result: dict) -> str:
+    lines = ["layout @ streams          reqs | TTFT p50    p99 | ITL p50    p99 | TPOT p50 | req/s"]
+    for key, row in result["pooled"].items():
+        lines.append(f"{key:24s} {row['requests']:5d} | {row['ttft_ms']['p50']:8.1f} {row['ttft_ms']['p99']:6.1f} | "
+                     f"{row['itl_p50_ms_mean_of_levels']:7.1f} {row['itl_p99_ms_mean_of_levels']:6.1f} | "
+                     f"{row['tpot_ms']['p50']:8.1f} | {row['request_throughput_mean']:5.2f}")
+    cfg = result["config"]
+    lines.append(f"(ms, HTTP client; {cfg['rounds']} interleaved round(s); load average {cfg['load_avg_before']} "
+                 f"before, {cfg['load_avg_after']} after; ITL percentiles are means over the levels)")
+    return "\n".join(lines)

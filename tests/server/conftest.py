@@ -4,6 +4,11 @@ The servers run the demo model (shipped in the package) with the session's compi
 ($VGRAPH_CACHE_DIR, set by tests/conftest.py), so compiled servers compile it once per session.
 One eager server is shared by the modules that only need a well-behaved server; modules that
 need other flags (auth, queue limits, the compiled default, fault injection) start their own.
+
+Servers run the engine out of process (``vgraph serve``'s default: an engine-core process);
+a few modules pass ``--engine-in-process``. Every server's descendant processes (the
+engine-core process, multiprocessing's resource tracker) are recorded by PID and must be
+gone once it has exited: ``terminate`` fails the test that leaves one behind.
 """
 from __future__ import annotations
 
@@ -23,6 +28,44 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 EAGER_ARGS = ["--enforce-eager", "--kv-cache-gib", "0.05", "--max-num-seqs", "32", "--device", "cpu"]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below ``pid`` now, from /proc: PID -> start time (told apart from a later
+    process that reuses the PID)."""
+    children: dict[int, list[int]] = {}
+    start: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        start[int(entry)] = fields[19]
+    found: dict[int, str] = {}
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found[child] = start[child]
+        todo.extend(children.get(child, []))
+    return found
+
+
+def still_running(processes: dict[int, str]) -> list[int]:
+    """The PIDs of ``processes`` (from ``descendants``) that still run (zombies count as gone)."""
+    alive = []
+    for pid, started in processes.items():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[19] == started and fields[0] != "Z":
+            alive.append(pid)
+    return alive
 
 
 def free_port() -> int:
@@ -45,6 +88,7 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
         self.health_statuses: list[int] = []
+        self.children: dict[int, str] = {}  # every descendant seen, by PID (see ``descendants``)
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -59,6 +103,7 @@ class ServerProcess:
                 status = httpx.get(self.url + "/health", timeout=5).status_code
                 self.health_statuses.append(status)
                 if status == 200:
+                    self.children.update(descendants(self.proc.pid))
                     return self
             except httpx.TransportError:
                 pass
@@ -102,8 +147,20 @@ class ServerProcess:
                 raise AssertionError(f"the server did not go idle: {m}")
             time.sleep(0.05)
 
+    def engine_pid(self) -> int:
+        """The engine-core process's PID (the server's child running ``spawn_main``)."""
+        for pid in descendants(self.proc.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return pid
+        raise AssertionError("the server has no engine-core process")
+
     def terminate(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
+            self.children.update(descendants(self.proc.pid))
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
@@ -111,7 +168,17 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.check_no_orphans()
         return self.proc.returncode
+
+    def check_no_orphans(self, timeout: float = 15.0) -> None:
+        """Fails when a process the server started outlives it (after killing it)."""
+        deadline = time.monotonic() + timeout
+        while (left := still_running(self.children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes {left} outlived the server (pid {self.proc.pid}):\n{self.log()}"
 
     def close(self) -> None:
         self.terminate()

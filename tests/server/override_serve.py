@@ -6,7 +6,11 @@ hook in the product code.
 
 - ``VGRAPH_TEST_SETTINGS``: a JSON object of ``ServerSettings`` fields to replace.
 - ``VGRAPH_TEST_TOKENIZER_FAULT``: text that makes the tokenizer's ``encode`` raise a
-  ``RuntimeError`` (an unexpected tokenizer failure) for any input that contains it.
+  ``RuntimeError`` (an unexpected tokenizer failure) for any input that contains it. The
+  tokenizer class is patched when a tokenizer is loaded, in the server process (its own
+  copies, with the engine out of process) and in the engine's (in process); the engine-core
+  process imports this module too (spawn re-imports the main module), where it changes nothing
+  that matters, since prompts reach it as token ids.
 - ``VGRAPH_TEST_BREAK_VERSION``: ``/version`` returns a value FastAPI cannot serialize, so
   the exception escapes every route handler (the last-resort path).
 """
@@ -18,13 +22,13 @@ import os
 import sys
 from typing import Any
 
-from vgraph import cli
-from vgraph.server import routes_misc
+from vgraph.models import loader
+from vgraph.server import lifecycle, routes_misc
 
 _SETTINGS = json.loads(os.environ.get("VGRAPH_TEST_SETTINGS", "{}"))
 _FAULT = os.environ.get("VGRAPH_TEST_TOKENIZER_FAULT")
-_server_settings = cli._server_settings
-_llm_from_args = cli._llm_from_args
+_build_app = lifecycle.build_app
+_load_tokenizer = loader.load_tokenizer
 
 
 class _Unserializable:
@@ -42,19 +46,19 @@ def _faulty_tokenizer_class(cls: type) -> None:
     cls.encode = faulty_encode
 
 
-def _settings(*args: Any, **kwargs: Any) -> Any:
-    return dataclasses.replace(_server_settings(*args, **kwargs), **_SETTINGS)
+def _build(settings: Any, engine: Any) -> Any:
+    return _build_app(dataclasses.replace(settings, **_SETTINGS), engine)
 
 
-def _llm(*args: Any, **kwargs: Any) -> Any:
-    llm = _llm_from_args(*args, **kwargs)
-    if _FAULT:  # class-level, so the copies AsyncEngine makes of the tokenizer fail too
-        _faulty_tokenizer_class(type(llm.engine.tokenizer))
-    return llm
+def _load_faulty_tokenizer(*args: Any, **kwargs: Any) -> Any:
+    tokenizer = _load_tokenizer(*args, **kwargs)
+    if _FAULT:  # class-level, so every copy made of the tokenizer fails too
+        _faulty_tokenizer_class(type(tokenizer))
+    return tokenizer
 
 
-cli._server_settings = _settings
-cli._llm_from_args = _llm
+lifecycle.build_app = _build
+loader.load_tokenizer = _load_faulty_tokenizer
 if os.environ.get("VGRAPH_TEST_BREAK_VERSION"):
     routes_misc.__version__ = _Unserializable()  # type: ignore[assignment]
 

@@ -24,8 +24,9 @@ def guarded(tmp_path_factory):
     template.write_text(TEMPLATE)
     args = [a for a in EAGER_ARGS]
     args[args.index("--max-num-seqs") + 1] = "1"
+    # One of the few servers with the engine on a thread (queue limits are the server's either way).
     proc = ServerProcess(*args, "--api-key", KEY, "--max-queue-len", "2", "--chat-template", str(template),
-                         "--served-model-name", "guarded", "alias")
+                         "--served-model-name", "guarded", "alias", "--engine-in-process")
     try:
         yield proc.wait_ready()
     finally:

@@ -63,7 +63,7 @@ def fuzz(examples: int):
 
 @pytest.fixture(scope="module")
 def fuzz_server():
-    proc = ServerProcess(*EAGER_ARGS, "--api-key", KEY)
+    proc = ServerProcess(*EAGER_ARGS, "--api-key", KEY, "--engine-in-process")  # one of the few in-process servers
     try:
         yield proc.wait_ready()
     finally:

@@ -64,13 +64,17 @@ def test_compiled_default_serves_and_drains_on_sigterm():
         assert events[-2]["usage"]["completion_tokens"] == 150, "the in-flight stream finished"
         assert any(c["finish_reason"] == "length" for e in events[:-2] for c in e["choices"])
         assert proc.proc.wait(60) == 0, proc.log()
+        assert "engine-core process stopped (code 0)" in proc.log(), "the engine process drained and exited too"
     finally:
         proc.close()
 
 
-def test_a_fatal_engine_error_fails_requests_and_exits_nonzero():
+@pytest.mark.parametrize("mode", [[], ["--engine-in-process"]], ids=["engine-process", "in-process"])
+def test_a_fatal_engine_error_fails_requests_and_exits_nonzero(mode):
+    """A step that raises (in the engine-core process, patched there too: spawn re-imports the
+    main script) is reported to the server as the engine's failure, not as a dead process."""
     script = Path(__file__).with_name("fail_engine.py")
-    proc = ServerProcess(*EAGER_ARGS, program=[sys.executable, str(script)],
+    proc = ServerProcess(*EAGER_ARGS, *mode, program=[sys.executable, str(script)],
                          env={"VGRAPH_TEST_FAIL_AFTER_STEPS": "20"})
     try:
         proc.wait_ready()

@@ -24,6 +24,7 @@ import copy
 import itertools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -37,12 +38,14 @@ from .async_engine import (EngineDeadError, EngineNotReadyError, EngineProcessDi
 from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
                          decode_delta, decode_error, decode_stats, decode_timing, encode_params, pack, unpack)
 from .core_process import CoreProcessConfig, run_engine_core
-from .inputs import PromptType, prompt_to_ids
+from .inputs import PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .stats import EngineStats, StepOutput
 
 logger = logging.getLogger("vgraph")
+
+_PREFILL_ONLY = SamplingParams(max_tokens=0)  # what a pooling prompt is checked as (see LLMEngine)
 
 
 class EngineCoreClient:
@@ -61,6 +64,7 @@ class EngineCoreClient:
         self._ipc_dir: Optional[str] = None
         self._zmq: Any = None  # (context, input socket, output socket) once started
         self._reader: Optional[asyncio.Task] = None
+        self._early_tokenizer: Optional[tuple[str, asyncio.Future]] = None  # (path, its load) while the core starts
         self._outputs: Optional[OutputProcessor] = None
         self._collectors: dict[str, OutputCollector] = {}
         self._pending_adds = 0  # sequences submitted that the core has not answered yet
@@ -95,8 +99,11 @@ class EngineCoreClient:
         self._ipc_dir = tempfile.mkdtemp(prefix="vgraph-core-")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
         context = zmq.asyncio.Context()
-        commands = context.socket(zmq.PUSH)
-        commands.setsockopt(zmq.SNDHWM, 0)  # never block the event loop: the core drains continuously
+        # Commands go out on a plain (synchronous) socket: a send never blocks the event loop
+        # (no high-water mark, and the core connects before it builds its engine) and fails
+        # at once, not in a future nobody awaits, when no core is there.
+        commands = zmq.Context.shadow(context.underlying).socket(zmq.PUSH)
+        commands.setsockopt(zmq.SNDHWM, 0)
         commands.setsockopt(zmq.LINGER, 0)
         commands.bind(input_address)
         outputs = context.socket(zmq.PULL)
@@ -110,8 +117,26 @@ class EngineCoreClient:
         self.process.start()
         logger.info("engine-core process started (pid %d)", self.process.pid)
         loop = asyncio.get_running_loop()
+        self._load_tokenizer_early()
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         self._reader = loop.create_task(self._read_outputs())
+
+    def _load_tokenizer_early(self) -> None:
+        """Starts loading the tokenizer now when it is a local directory, so that it loads
+        while the core builds its engine (a hub id waits for the path the core resolves)."""
+        from ..models.loader import load_tokenizer
+        path = self._config.engine_kwargs.get("tokenizer") or self._config.model
+        if os.path.isdir(path):
+            future = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, path))
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure is the core's to report
+            self._early_tokenizer = (os.path.abspath(path), future)
+
+    async def _tokenizer_for(self, path: str) -> Any:
+        from ..models.loader import load_tokenizer
+        early, self._early_tokenizer = self._early_tokenizer, None
+        if early is not None and os.path.isdir(path) and os.path.abspath(path) == early[0]:
+            return await early[1]
+        return await asyncio.to_thread(load_tokenizer, path)
 
     async def wait_ready(self) -> None:
         """Returns once the engine can take requests; raises the startup error if it failed."""
@@ -133,6 +158,7 @@ class EngineCoreClient:
                 logger.warning("the engine-core process did not stop within %.1f s; killing it", timeout)
                 self.process.kill()
                 await asyncio.to_thread(self.process.join, 5.0)
+            logger.info("engine-core process stopped (%s)", _describe_exit(self.process.exitcode))
         self._fail_all(EngineShutdownError("the server is shutting down"))
         if self._reader is not None:
             self._reader.cancel()
@@ -203,14 +229,24 @@ class EngineCoreClient:
         return collector
 
     def _token_ids(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> list[tuple[Optional[str], list[int]]]:
-        """Each prompt as (text, token ids); a text prompt is tokenized here (the routes send ids)."""
+        """Each prompt as (text, token ids), checked as ``LLMEngine.add_request`` checks it (the
+        same errors, in the same order; the core checks again), so that nothing unsendable (a
+        token id beyond 64 bits) reaches the socket. A text prompt is tokenized here."""
         out = []
-        for i, (_, prompt, _) in enumerate(items):
+        for i, (_, prompt, params) in enumerate(items):
             try:
-                out.append(prompt_to_ids(prompt, self.tokenizer))
+                out.append(self._checked_ids(prompt, params))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(items) > 1 else str(exc)) from None
         return out
+
+    def _checked_ids(self, prompt: PromptType, params: Any) -> tuple[Optional[str], list[int]]:
+        generating = isinstance(params, SamplingParams)
+        if generating:
+            params.validate(self.max_logprobs)
+        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        check_prompt(ids, params if generating else _PREFILL_ONLY, self.vocab_size, self.max_model_len)
+        return text, ids
 
     async def generate(self, request_id: str, prompt: PromptType,
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -243,7 +279,10 @@ class EngineCoreClient:
 
     def _send(self, message: list) -> None:
         import zmq
-        self._zmq[1].send(pack(message), flags=zmq.NOBLOCK)
+        try:
+            self._zmq[1].send(pack(message), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no core connected: it exited (its sentinel tells the rest)
+            logger.debug("the engine-core process is not connected; %r not sent", message[0])
 
     def _check_accepting(self, sequences: int) -> None:
         if self.error is not None:
@@ -288,10 +327,9 @@ class EngineCoreClient:
             logger.exception("handling a %r message from the engine-core process failed", kind)
 
     async def _on_ready(self, facts: EngineFacts) -> None:
-        from ..models.loader import load_tokenizer
         from ..structured.compiler import GrammarCompiler
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, facts.tokenizer_path)
+            tokenizer = await self._tokenizer_for(facts.tokenizer_path)
             worker_tokenizer = copy.deepcopy(tokenizer)  # Rust tokenizers must not be shared across threads
             self.grammar_compiler = GrammarCompiler(copy.deepcopy(tokenizer), facts.vocab_size, facts.eos_token_ids)
         except Exception as exc:

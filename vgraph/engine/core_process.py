@@ -72,15 +72,20 @@ def run_engine_core(config: CoreProcessConfig) -> None:
     output = context.socket(zmq.PUSH)
     output.setsockopt(zmq.LINGER, 5000)  # the last messages (fatal, accepted) must reach the server
     output.connect(config.output_address)
+    # Connected now, while the engine builds: the server's first command finds a peer. Used
+    # only by the input thread from then on.
+    commands = context.socket(zmq.PULL)
+    commands.setsockopt(zmq.LINGER, 0)
+    commands.connect(config.input_address)
     try:
-        code = _run(config, context, output.send)
+        code = _run(config, commands, output.send)
     finally:
         output.close()
-        context.term()
+        context.term()  # delivers what is still queued (LINGER); the input thread closes its socket
     sys.exit(code)
 
 
-def _run(config: CoreProcessConfig, context: Any, send: Callable[[bytes], Any]) -> int:
+def _run(config: CoreProcessConfig, commands_socket: Any, send: Callable[[bytes], Any]) -> int:
     try:
         engine = build_engine(config)
         facts = EngineFacts(model_path=engine.config.model.model,
@@ -91,10 +96,10 @@ def _run(config: CoreProcessConfig, context: Any, send: Callable[[bytes], Any]) 
     except Exception as exc:  # reported to the server, which decides how to exit
         logger.debug("building the engine failed", exc_info=exc)
         send(pack([STARTUP_FAILED, encode_error(exc)]))
+        commands_socket.close()  # no input thread took it
         return 1
     commands: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_receive, args=(context, config.input_address, commands), name="vgraph-core-input",
-                     daemon=True).start()
+    threading.Thread(target=_receive, args=(commands_socket, commands), name="vgraph-core-input", daemon=True).start()
     send(pack([READY, facts.encode()]))
     try:
         _CoreLoop(engine, send).serve(commands)
@@ -117,14 +122,15 @@ def build_engine(config: CoreProcessConfig) -> Any:
     return LLMEngine(engine_config, detokenize=False)
 
 
-def _receive(context: Any, address: str, commands: queue.SimpleQueue) -> None:
-    """The input thread: decodes commands off the socket so the step loop never waits on it."""
+def _receive(sock: Any, commands: queue.SimpleQueue) -> None:
+    """The input thread: decodes commands off the socket so the step loop never waits on it.
+    Owns the socket from its start, and closes it when the process ends the context."""
     import zmq
-    sock = context.socket(zmq.PULL)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    while True:
-        commands.put(unpack(sock.recv()))
+    try:
+        while True:
+            commands.put(unpack(sock.recv()))
+    except zmq.ContextTerminated:
+        sock.close()
 
 
 class _CoreLoop:

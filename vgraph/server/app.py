@@ -10,25 +10,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator, Union
+from typing import AsyncIterator
 
 from fastapi import FastAPI
 
 from .. import __version__
-from ..engine.async_engine import AsyncEngine
-from ..engine.core_client import EngineCoreClient
 from ..engine.dp_engine import DataParallelEngine
 from . import routes_chat, routes_completions, routes_embeddings, routes_misc
 from .auth import APIKeyMiddleware
 from .header_limit import HeaderLimitMiddleware
 from .errors import CatchAllMiddleware, install_error_handlers
 from .metrics import ServerMetrics
-from .state import ServerSettings, ServerState
+from .state import Engine, ServerSettings, ServerState
 
 logger = logging.getLogger("vgraph.server")
-
-
-Engine = Union[AsyncEngine, EngineCoreClient, DataParallelEngine]
 
 
 def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:

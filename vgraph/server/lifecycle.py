@@ -30,11 +30,11 @@ from typing import Awaitable, Callable, Iterator, Optional
 
 import uvicorn
 
-from .app import Engine, build_app
+from .app import build_app
 from .connections import (ConnectionGuard, ConnectionLimits, LogRateLimit, plan_connections, protocol_class,
                           raise_descriptor_limit)
 from .header_limit import MAX_HEADER_BYTES  # also bounds h11's buffer before the headers end
-from .state import ServerSettings, ServerState
+from .state import Engine, ServerSettings, ServerState
 
 logger = logging.getLogger("vgraph.server")
 

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from fastapi import Request
 
 from ..engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError, OutputCollector,
                                    QueueFullError, RequestTooLargeError)
+from ..engine.core_client import EngineCoreClient
+from ..engine.dp_engine import DataParallelEngine
 from ..engine.inputs import PromptType
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -28,6 +30,10 @@ from ..engine.inputs import template_supports_tools
 from .tokenization import ServerTokenizer
 
 logger = logging.getLogger("vgraph.server")
+
+# The engine behind the routes: in its own process (the default) or on a thread of this one, or
+# several of either as data-parallel replicas.
+Engine = Union[AsyncEngine, EngineCoreClient, DataParallelEngine]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 OFFLOAD_PARTS = 1024  # chat content parts above which their conversion leaves the event loop
@@ -107,7 +113,7 @@ class ServerSettings:
 
 
 class ServerState:
-    def __init__(self, settings: ServerSettings, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, settings: ServerSettings, engine: Engine, metrics: ServerMetrics) -> None:
         self.settings = settings
         self.engine = engine
         self.metrics = metrics
