@@ -124,7 +124,46 @@ class _Stop:
     """Tells the engine thread to return: what is still running is aborted in the engine."""
 
 
-class AsyncEngine:
+class StreamingFront:
+    """``generate`` for every engine front the server uses (this thread's ``AsyncEngine``, the
+    engine-core client, the data-parallel router): one streaming loop over the front's own
+    ``add_requests`` and ``abort``, so the three cannot drift apart."""
+
+    async def generate(self, request_id: str, prompt: PromptType,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs of one request until it finishes; leaving early aborts it."""
+        collector = await self.add_requests([(request_id, prompt, params)])
+        try:
+            while not collector.finished:
+                for output in (await collector.next()).values():
+                    yield output
+        finally:
+            if not collector.finished:
+                self.abort([request_id])
+
+
+def check_admission(error: Optional[BaseException], stopped: bool, ready: bool, max_queue_len: Optional[int],
+                    queue_length: int, sequences: int) -> None:
+    """Why a front refuses a submission of ``sequences`` sequences, as the exception the server
+    maps to its status: a dead or stopped engine, one still loading, a request that could never
+    fit ``max_queue_len``, or a queue that is full now."""
+    if error is not None:
+        raise EngineDeadError(f"the engine has failed: {error}")
+    if stopped:
+        raise EngineDeadError("the engine is stopped")
+    if not ready:
+        raise EngineNotReadyError("the model is still loading")
+    limit = max_queue_len
+    if limit is not None and sequences > limit:
+        raise RequestTooLargeError(f"this request has {sequences} sequences (prompts x n) but at most {limit} "
+                                   f"may wait (--max-queue-len {limit}), so it could never be admitted; "
+                                   "send fewer prompts or a smaller n")
+    if limit is not None and queue_length + sequences > limit:
+        raise QueueFullError(f"{queue_length} sequences are already waiting and this request adds "
+                             f"{sequences} (--max-queue-len {limit} counts prompts x n)")
+
+
+class AsyncEngine(StreamingFront):
     """Owns an ``LLMEngine`` on a background thread; requests in and outputs out via asyncio.
 
     ``engine_factory`` builds the engine (loading, and compiling unless eager) on the engine
@@ -245,18 +284,6 @@ class AsyncEngine:
             raise
         return collector
 
-    async def generate(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs of one request until it finishes; leaving early aborts it."""
-        collector = await self.add_requests([(request_id, prompt, params)])
-        try:
-            while not collector.finished:
-                for output in (await collector.next()).values():
-                    yield output
-        finally:
-            if not collector.finished:
-                self.abort([request_id])
-
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stops requests and frees their KV blocks; unknown or finished ids are ignored."""
         ids = [rid for rid in request_ids if self._collectors.pop(rid, None) is not None]
@@ -264,20 +291,8 @@ class AsyncEngine:
             self._commands.put(_Abort(ids))
 
     def _check_accepting(self, sequences: int) -> None:
-        if self.error is not None:
-            raise EngineDeadError(f"the engine has failed: {self.error}")
-        if self._stopped.is_set():
-            raise EngineDeadError("the engine is stopped")
-        if not self._ready.is_set():
-            raise EngineNotReadyError("the model is still loading")
-        limit = self.max_queue_len
-        if limit is not None and sequences > limit:
-            raise RequestTooLargeError(f"this request has {sequences} sequences (prompts x n) but at most {limit} "
-                                       f"may wait (--max-queue-len {limit}), so it could never be admitted; "
-                                       "send fewer prompts or a smaller n")
-        if limit is not None and self.queue_length + sequences > limit:
-            raise QueueFullError(f"{self.queue_length} sequences are already waiting and this request adds "
-                                 f"{sequences} (--max-queue-len {limit} counts prompts x n)")
+        check_admission(self.error, self._stopped.is_set(), self._ready.is_set(), self.max_queue_len,
+                        self.queue_length, sequences)
 
     # ------------------------------------------------------------------ callbacks (event loop)
 

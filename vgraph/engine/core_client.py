@@ -29,18 +29,16 @@ import shutil
 import tempfile
 import time
 from dataclasses import replace
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..sampling_params import SamplingParams
-from .async_engine import (EngineDeadError, EngineNotReadyError, EngineProcessDiedError, EngineShutdownError,
-                           OutputCollector,
-                           QueueFullError, RequestTooLargeError, _num_sequences)
+from .async_engine import (EngineDeadError, EngineProcessDiedError, EngineShutdownError, OutputCollector,
+                           StreamingFront, _num_sequences, check_admission)
 from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
                          decode_delta, decode_error, decode_stats, decode_timing, encode_params, pack, unpack)
 from .core_process import CoreProcessConfig, run_engine_core
 from .inputs import PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
-from .outputs import RequestOutput
 from .stats import EngineStats, StepOutput
 
 logger = logging.getLogger("vgraph")
@@ -48,7 +46,7 @@ logger = logging.getLogger("vgraph")
 _PREFILL_ONLY = SamplingParams(max_tokens=0)  # what a pooling prompt is checked as (see LLMEngine)
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamingFront):
     """Runs an ``LLMEngine`` in a spawned process; requests in and outputs out via asyncio."""
 
     def __init__(self, config: CoreProcessConfig, *, max_queue_len: Optional[int] = None,
@@ -248,18 +246,6 @@ class EngineCoreClient:
         check_prompt(ids, params if generating else _PREFILL_ONLY, self.vocab_size, self.max_model_len)
         return text, ids
 
-    async def generate(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs of one request until it finishes; leaving early aborts it."""
-        collector = await self.add_requests([(request_id, prompt, params)])
-        try:
-            while not collector.finished:
-                for output in (await collector.next()).values():
-                    yield output
-        finally:
-            if not collector.finished:
-                self.abort([request_id])
-
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stops requests and frees their KV blocks; unknown or finished ids are ignored."""
         ids = [rid for rid in request_ids if self._collectors.pop(rid, None) is not None]
@@ -285,20 +271,8 @@ class EngineCoreClient:
             logger.debug("the engine-core process is not connected; %r not sent", message[0])
 
     def _check_accepting(self, sequences: int) -> None:
-        if self.error is not None:
-            raise EngineDeadError(f"the engine has failed: {self.error}")
-        if self._stopping:
-            raise EngineDeadError("the engine is stopped")
-        if not self._ready.is_set():
-            raise EngineNotReadyError("the model is still loading")
-        limit = self.max_queue_len
-        if limit is not None and sequences > limit:
-            raise RequestTooLargeError(f"this request has {sequences} sequences (prompts x n) but at most {limit} "
-                                       f"may wait (--max-queue-len {limit}), so it could never be admitted; "
-                                       "send fewer prompts or a smaller n")
-        if limit is not None and self.queue_length + sequences > limit:
-            raise QueueFullError(f"{self.queue_length} sequences are already waiting and this request adds "
-                                 f"{sequences} (--max-queue-len {limit} counts prompts x n)")
+        check_admission(self.error, self._stopping, self._ready.is_set(), self.max_queue_len,
+                        self.queue_length, sequences)
 
     # ------------------------------------------------------------------ messages from the core
 

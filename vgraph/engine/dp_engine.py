@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from ..sampling_params import SamplingParams
-from .async_engine import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError
+from .async_engine import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError, StreamingFront
 from .dp_router import PrefixAffinityRouter, RouterConfig, least_loaded
 from .inputs import PromptType
-from .outputs import RequestOutput
 from .stats import EngineStats, StepOutput, aggregate_stats
 
 logger = logging.getLogger("vgraph")
@@ -65,7 +64,7 @@ def _replica_fact(name: str, doc: str) -> property:
     return property(lambda self: getattr(self.replicas[0], name), doc=doc)
 
 
-class DataParallelEngine:
+class DataParallelEngine(StreamingFront):
     """N replicas with the ``AsyncEngine`` interface, presented as one (see the module docstring)."""
 
     def __init__(self, replicas: Sequence[Replica], router: PrefixAffinityRouter, *,
@@ -155,18 +154,6 @@ class DataParallelEngine:
         except BaseException:
             self._release(rid for rid, _, _ in items)
             raise
-
-    async def generate(self, request_id: str, prompt: PromptType,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative outputs of one request until it finishes; leaving early aborts it."""
-        collector = await self.add_requests([(request_id, prompt, params)])
-        try:
-            while not collector.finished:
-                for output in (await collector.next()).values():
-                    yield output
-        finally:
-            if not collector.finished:
-                self.abort([request_id])
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stops requests on the replicas holding them; unknown or finished ids are ignored."""
