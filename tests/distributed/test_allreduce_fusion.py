@@ -9,13 +9,12 @@ residual add) and the first residual too. One engine at a time (each is two work
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from tests.checkpoints import tiny_checkpoint
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
+from tests.distributed.processes import pid_alive
 
 pytestmark = pytest.mark.slow
 LAYERS, NEW_TOKENS = 2, 8
@@ -24,14 +23,6 @@ LAYERS, NEW_TOKENS = 2, 8
 ENGINE = dict(dtype="float32", device="cpu", num_gpu_blocks=128, max_model_len=256, tensor_parallel_size=2,
               custom_ops=True)
 PASS = "AllReduceRMSNormFusionPass"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _run(fusion: bool, prompts: list[list[int]]) -> tuple[list[list[int]], list]:
@@ -45,7 +36,7 @@ def _run(fusion: bool, prompts: list[list[int]]) -> tuple[list[list[int]], list]
         counters = llm.engine.runner.collect_compile_counters()
     finally:
         llm.close()
-    assert not any(_alive(p) for p in pids), "a worker outlived LLM.close()"
+    assert not any(pid_alive(p) for p in pids), "a worker outlived LLM.close()"
     return [o.outputs[0].token_ids for o in outputs], counters
 
 

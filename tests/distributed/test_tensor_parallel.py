@@ -25,6 +25,7 @@ from vgraph import LLM, SamplingParams
 from vgraph.config import EngineConfig, ParallelConfig
 from vgraph.distributed.executor import WorkerFailed
 from vgraph.structured.params import StructuredOutputsParams
+from tests.distributed.processes import pid_alive
 
 ARCHS = ("llama", "qwen2", "mistral")
 MODES = ("eager", "compiled")
@@ -32,14 +33,6 @@ NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 LENGTHS = [1, 5, 16, 17, 40, 100]  # block boundaries, one token, a few blocks
 ENGINE = dict(dtype="float32", device="cpu", num_gpu_blocks=128, max_model_len=256)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _start(arch: str, mode: str, tp: int) -> LLM:
@@ -63,10 +56,10 @@ def tp2(request):
     arch, mode = request.param
     llm = _start(arch, mode, 2)
     pids = list(llm.engine.runner.pids)
-    assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert len(pids) == 2 and all(pid_alive(p) for p in pids)
     yield arch, mode, llm
     llm.close()
-    assert not any(_alive(p) for p in pids), "a worker outlived LLM.close()"
+    assert not any(pid_alive(p) for p in pids), "a worker outlived LLM.close()"
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list:
@@ -203,7 +196,7 @@ def test_a_dying_worker_stops_the_engine_naming_its_rank(tp2):
         for _ in range(50):  # the next step sees it (a bounded loop: never hang the suite)
             engine.step()
     assert info.value.rank == 1
-    assert not any(_alive(p) for p in pids), "the other rank was left running"
+    assert not any(pid_alive(p) for p in pids), "the other rank was left running"
     with pytest.raises(WorkerFailed, match="has stopped"):
         engine.step()
     engine.abort_all()

@@ -9,14 +9,7 @@ import time
 
 from tests.checkpoints import tiny_checkpoint
 from tests.server.conftest import ServerProcess
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.distributed.processes import pid_alive
 
 
 def _worker_pids(log: str) -> list[int]:
@@ -42,8 +35,8 @@ def test_serve_tp2_answers_then_reports_a_dead_worker_and_exits():
         assert "rank 1" in failed.json()["error"]["message"]
         assert server.proc.wait(60) != 0, "the server exits non-zero after its engine failed"
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(p) for p in pids), "a worker outlived the server"
+        assert not any(pid_alive(p) for p in pids), "a worker outlived the server"
     finally:
         server.close()
