@@ -18,6 +18,7 @@ asks each to stop, then terminates what is left; it runs at interpreter exit too
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -151,10 +152,8 @@ class MultiprocExecutor:
         self._closed = True
         if self._failure is None:
             for w in self._workers:
-                try:
+                with contextlib.suppress(OSError):  # a rank already gone: its sentinel says the rest
                     w.conn.send((SHUTDOWN, None))
-                except OSError:
-                    pass
             deadline = time.monotonic() + _GRACE_S
             for w in self._workers:
                 w.process.join(max(0.0, deadline - time.monotonic()))

@@ -9,6 +9,7 @@ tokens equal rank 0's: the logits are the same after the gather).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -69,15 +70,12 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         code = 1
     except BaseException:  # noqa: BLE001  (everything is reported to the engine, then the process ends)
         code = 1
-        try:
+        with contextlib.suppress(OSError):  # the engine is gone: nobody to tell
             conn.send(("error", f"rank {args.rank}: {traceback.format_exc()}"))
-        except OSError:
-            pass
     finally:
-        try:
+        # A broken group cannot be left cleanly; the process ends anyway.
+        with contextlib.suppress(Exception):
             destroy_tensor_parallel()
-        except Exception:  # noqa: BLE001  (a broken group cannot be left cleanly; the process ends anyway)
-            pass
         conn.close()
     sys.exit(code)
 

@@ -163,7 +163,42 @@ def check_admission(error: Optional[BaseException], stopped: bool, ready: bool, 
                              f"{sequences} (--max-queue-len {limit} counts prompts x n)")
 
 
-class AsyncEngine(StreamingFront):
+class OneEngineFront(StreamingFront):
+    """What the two fronts of one engine share (the engine on a thread, ``AsyncEngine``; in its
+    own process, ``EngineCoreClient``): readiness, the queue length admission counts, and handing
+    a step's outputs to the callers waiting for them. Subclasses set ``_ready``, ``error``,
+    ``stats``, ``_pending_adds``, ``_collectors`` and ``on_step`` in ``__init__``."""
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.error is None
+
+    async def wait_ready(self) -> None:
+        """Returns once the engine can take requests; raises the startup error if it failed."""
+        await self._ready.wait()
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def queue_length(self) -> int:
+        """Sequences submitted but not yet running: the last waiting count plus unseen submissions."""
+        return self.stats.num_waiting + self._pending_adds
+
+    def _deliver(self, step: StepOutput) -> None:
+        """Called on the event loop with each step: every output to its collector, then the
+        stats and ``on_step`` (the metrics)."""
+        for output in step.outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector._put(output)
+                if output.finished:
+                    del self._collectors[output.request_id]
+        self.stats = step.stats
+        if self.on_step is not None:
+            self.on_step(step)
+
+
+class AsyncEngine(OneEngineFront):
     """Owns an ``LLMEngine`` on a background thread; requests in and outputs out via asyncio.
 
     ``engine_factory`` builds the engine (loading, and compiling unless eager) on the engine
@@ -208,10 +243,6 @@ class AsyncEngine(StreamingFront):
 
     # ------------------------------------------------------------------ lifecycle (event loop)
 
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None
-
     def start(self) -> None:
         """Starts the engine thread; ``wait_ready`` tells when the engine is built."""
         if self._thread is not None:
@@ -219,12 +250,6 @@ class AsyncEngine(StreamingFront):
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._thread_main, name="vgraph-engine", daemon=True)
         self._thread.start()
-
-    async def wait_ready(self) -> None:
-        """Returns once the engine can take requests; raises the startup error if it failed."""
-        await self._ready.wait()
-        if self.error is not None:
-            raise self.error
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is left and stops the thread (a step in flight finishes first)."""
@@ -247,11 +272,6 @@ class AsyncEngine(StreamingFront):
         self._unanswered.clear()
 
     # ------------------------------------------------------------------ requests (event loop)
-
-    @property
-    def queue_length(self) -> int:
-        """Sequences submitted but not yet running: the last waiting count plus unseen submissions."""
-        return self.stats.num_waiting + self._pending_adds
 
     async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Submits requests atomically: all are accepted, or none is and the error is raised.
@@ -317,15 +337,7 @@ class AsyncEngine(StreamingFront):
                 command.accepted.set_exception(error)
 
     def _on_step(self, step: StepOutput) -> None:
-        for output in step.outputs:
-            collector = self._collectors.get(output.request_id)
-            if collector is not None:
-                collector._put(output)
-                if output.finished:
-                    del self._collectors[output.request_id]
-        self.stats = step.stats
-        if self.on_step is not None:
-            self.on_step(step)
+        self._deliver(step)
 
     def _on_fatal(self, error: BaseException) -> None:
         self.error = error

@@ -20,6 +20,7 @@ Everything here runs on the server's event loop:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import logging
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..sampling_params import SamplingParams
 from .async_engine import (EngineDeadError, EngineProcessDiedError, EngineShutdownError, OutputCollector,
-                           StreamingFront, _num_sequences, check_admission)
+                           OneEngineFront, _num_sequences, check_admission)
 from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
                          decode_delta, decode_error, decode_stats, decode_timing, encode_params, pack, unpack)
 from .core_process import CoreProcessConfig, run_engine_core
@@ -46,7 +47,7 @@ logger = logging.getLogger("vgraph")
 _PREFILL_ONLY = SamplingParams(max_tokens=0)  # what a pooling prompt is checked as (see LLMEngine)
 
 
-class EngineCoreClient(StreamingFront):
+class EngineCoreClient(OneEngineFront):
     """Runs an ``LLMEngine`` in a spawned process; requests in and outputs out via asyncio."""
 
     def __init__(self, config: CoreProcessConfig, *, max_queue_len: Optional[int] = None,
@@ -83,10 +84,6 @@ class EngineCoreClient(StreamingFront):
         self.grammar_compiler: Any = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def ready(self) -> bool:
-        return self._ready.is_set() and self.error is None
 
     def start(self) -> None:
         """Binds the sockets and spawns the engine-core process; ``wait_ready`` tells when it is built."""
@@ -136,12 +133,6 @@ class EngineCoreClient(StreamingFront):
             return await early[1]
         return await asyncio.to_thread(load_tokenizer, path)
 
-    async def wait_ready(self) -> None:
-        """Returns once the engine can take requests; raises the startup error if it failed."""
-        await self._ready.wait()
-        if self.error is not None:
-            raise self.error
-
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Aborts whatever is left, stops the core process (a step in flight finishes first) and
         waits for it; one that does not exit in ``timeout`` seconds is killed."""
@@ -163,10 +154,8 @@ class EngineCoreClient(StreamingFront):
         self._close_sockets()
 
     def _stop_watching(self) -> None:
-        try:
+        with contextlib.suppress(RuntimeError, ValueError):  # no loop, or the sentinel already closed
             asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        except (RuntimeError, ValueError):
-            pass
 
     def _close_sockets(self) -> None:
         if self._zmq is not None:
@@ -191,11 +180,6 @@ class EngineCoreClient(StreamingFront):
         self._pending_adds = 0
 
     # ------------------------------------------------------------------ requests
-
-    @property
-    def queue_length(self) -> int:
-        """Sequences submitted but not yet running: the last waiting count plus unanswered submissions."""
-        return self.stats.num_waiting + self._pending_adds
 
     async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Submits requests atomically, as ``AsyncEngine.add_requests`` (same errors)."""
@@ -339,16 +323,7 @@ class EngineCoreClient(StreamingFront):
         outputs, finishes = self._outputs.process([decode_delta(d) for d in deltas])
         if finishes:
             self._send([FINISH, [list(f) for f in finishes]])
-        for output in outputs:
-            collector = self._collectors.get(output.request_id)
-            if collector is not None:
-                collector._put(output)
-                if output.finished:
-                    del self._collectors[output.request_id]
-        step = StepOutput(outputs, [decode_timing(t) for t in timings], decode_stats(stats))
-        self.stats = step.stats
-        if self.on_step is not None:
-            self.on_step(step)
+        self._deliver(StepOutput(outputs, [decode_timing(t) for t in timings], decode_stats(stats)))
 
     def _on_fatal(self, error: BaseException, reported: EngineDeadError) -> None:
         if self.error is not None:
