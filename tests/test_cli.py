@@ -27,11 +27,13 @@ def vgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 _WITH_MODULES = ("import json, sys\nfrom vgraph.cli import main\nrc = main(sys.argv[1:])\n"
                  "print('MODULES ' + json.dumps(sorted(sys.modules)))\nsys.exit(rc)")
 # What a warm `generate` must not import: the server stack, transformers' model code (vgraph
-# runs its own modules; transformers gives config and tokenizer), and Dynamo's frame wrapper
-# (made by torch.compile, which a start that loads the captured graph never calls).
+# runs its own modules; transformers gives config and tokenizer), transformers' config modules
+# and AutoTokenizer (the compile run recorded what they resolved: checkpoint_record), and
+# Dynamo's frame wrapper (made by torch.compile, which a start that loads the captured graph
+# never calls).
 _NOT_ON_THE_GENERATE_PATH = ("vgraph.server", "fastapi", "uvicorn", "starlette", "openai",
-                             "transformers.modeling_utils", "transformers.models.llama.modeling_llama",
-                             "torch._dynamo.repro.after_dynamo")
+                             "transformers.modeling_utils", "transformers.models.llama",
+                             "transformers.models.auto", "torch._dynamo.repro.after_dynamo")
 
 
 def vgraph_modules(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:

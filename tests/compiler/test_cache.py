@@ -13,6 +13,7 @@ from vgraph.compiler.cache import CompileCache
 from vgraph.compiler.compiled_forward import CompiledForward
 from vgraph.compiler.build import config_key
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
+from vgraph.models.checkpoint_record import ModelConfigView
 from vgraph.models.loader import load_hf_config
 
 from .test_split_and_counts import Toy
@@ -61,10 +62,7 @@ def test_unwritable_cache_dir_still_serves(tmp_path, caplog):
 
 def _key(**changes) -> str:
     path = tiny_checkpoint(arch="llama")
-    hf = load_hf_config(path)
-    hf_changes = changes.pop("hf", {})
-    for k, v in hf_changes.items():
-        setattr(hf, k, v)
+    hf = ModelConfigView({**load_hf_config(path).to_dict(), **changes.pop("hf", {})})
     model = ModelConfig(model=path, quantization=changes.pop("quantization", None))
     compile_config = CompileConfig(**changes.pop("compile", {}))
     config = EngineConfig(model=model, compile=compile_config)

@@ -23,6 +23,8 @@ from torch import nn
 from vgraph.config import ModelConfig, resolve_dtype
 
 from ..distributed.state import tp_group
+from .checkpoint_record import (CheckpointRecords, ModelConfigView, config_view, record_tokenizer,
+                                recorded_tokenizer)
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, quantize_weight, resolve_quantization
 from .registry import get_model_class
 
@@ -98,18 +100,26 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_hf_config(path: str) -> Any:
-    """The transformers config, after checking the architecture is one vgraph runs.
+def load_hf_config(path: str, records: Optional[CheckpointRecords] = None) -> ModelConfigView:
+    """The checkpoint's transformers config, as a read-only view of its fields, after checking
+    the architecture is one vgraph runs.
 
     The architecture check reads config.json directly first, so an unsupported model gets
-    vgraph's error (naming what is supported) rather than a transformers one.
+    vgraph's error (naming what is supported) rather than a transformers one. The view comes
+    from the checkpoint record when a start before recorded it (``checkpoint_record``: no
+    transformers config import), else from AutoConfig.
     """
-    from transformers import AutoConfig
-
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in model directory {path}")
     get_model_class(_read_json(config_file).get("architectures"))
+    records = CheckpointRecords.default() if records is None else records
+    return config_view(Path(path), lambda: _auto_config(path, config_file), records)
+
+
+def _auto_config(path: str, config_file: Path) -> Any:
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as exc:  # valid JSON that transformers rejects
@@ -266,14 +276,23 @@ def load_tokenizer(path: str, revision: Optional[str] = None) -> Any:
 
 
 def _load_tokenizer(path: str, revision: Optional[str]) -> Any:
-    from transformers import AutoTokenizer
-
-    local = resolve_model_path(path, revision)
+    local = Path(resolve_model_path(path, revision))
+    records = CheckpointRecords.default()
     try:
-        return AutoTokenizer.from_pretrained(local)
+        tokenizer = recorded_tokenizer(local, records)
+        if tokenizer is None:
+            tokenizer = _auto_tokenizer(local)
+            record_tokenizer(local, tokenizer, records)
+        return tokenizer
     except Exception as exc:  # transformers raises many types for missing or damaged files
         raise ModelLoadError(f"cannot load the tokenizer from {local} ({type(exc).__name__}: "
                              f"{_first_line(exc)}); check its tokenizer files") from None
+
+
+def _auto_tokenizer(local: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(local))
 
 
 def _first_line(exc: Exception) -> str:
