@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .native_build import NativeKernel
+from .native_build import NativeKernel, load_library
 from .registration import vgraph_op
 
 PANEL = 16
@@ -65,6 +65,18 @@ def _kernel() -> NativeKernel:
 
 
 _KERNEL = _kernel()
+
+
+def kernel_isa() -> Optional[str]:
+    """The instruction set the packed kernel's tiles were built for: "avx512" (6x64 tiles in
+    zmm registers), "avx2" (6x16 tiles) or "portable"; None when the kernel is unavailable.
+    Chosen at build time by ``-march=native``, so it follows the CPU (and the kernel cache
+    key, which holds the CPU's flags)."""
+    if _KERNEL.load() is None:
+        return None
+    isa = load_library(_KERNEL.library).vgraph_linear_isa
+    isa.argtypes, isa.restype = [], ctypes.c_char_p
+    return isa().decode()
 
 
 def packing_enabled() -> bool:

@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -33,7 +33,113 @@ constexpr int kTileRows = 6;   // rows of x per register tile
 constexpr int kGroup = 4;      // panels per unit of work (the widest tile spans all four)
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // multiply-adds
 
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+// k steps per pass over a group: the group's four panels at 1024 k (256 KiB) stay in L2
+// while every row block of x reuses them; a longer K (an MLP's down projection) would
+// otherwise evict its panels between row blocks. The next pass continues each output's sum
+// from the float32 value stored in y, so the sum is the same in-order chain of FMAs.
+constexpr int64_t kDepth = 1024;
+
+// Rows x (16 * Panels) outputs over k in [0, depth) of rows of x against Panels consecutive
+// panels: one zmm register per 16 outputs, up to 6 x 4 = 24 accumulators (independent FMA
+// chains), four weight registers and one broadcast of x, within the 32 AVX-512 registers.
+// A k step costs Panels loads and Rows broadcasts for Rows * Panels FMAs, twice the work per
+// instruction of the AVX2 6x16 tile. `first`: start from zero (else from y, a previous pass);
+// `last`: add the bias. `ahead` (nullable): data the next pass needs, prefetched at the same
+// offsets (past the weight's end the hint is dropped, never faults).
+template <int Rows, int Panels>
+inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int64_t depth,
+                 const float* ahead, bool first, const float* bias, float* y, int64_t ldy, int cols) {
+  constexpr int kAcc = Rows * Panels;
+  const __mmask16 last_mask = static_cast<__mmask16>((1u << cols) - 1u);
+  __m512 acc[kAcc];  // output (m, p) in acc[m * Panels + p]
+#pragma GCC unroll 8
+  for (int m = 0; m < Rows; ++m) {
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) {
+      const __mmask16 mask = p == Panels - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+      acc[m * Panels + p] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * ldy + p * kPanel);
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    if (ahead != nullptr) {
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p) {
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + p * panel_stride + k * kPanel), _MM_HINT_T0);
+      }
+    }
+    __m512 w[Panels];
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) w[p] = _mm512_loadu_ps(panels + p * panel_stride + k * kPanel);
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * ldx + k]);
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p) acc[m * Panels + p] = _mm512_fmadd_ps(xm, w[p], acc[m * Panels + p]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < Panels; ++p) {
+    const __mmask16 mask = p == Panels - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + p * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask, _mm512_add_ps(acc[m * Panels + p], b));
+    }
+  }
+}
+
+// One pass (k in [0, depth)) of rows [0, rows) against Panels panels: six-row tiles, then one
+// tile for the last one to five rows. Only the first row block prefetches: it is the one that
+// streams the panels from memory, the others find them in L2.
+template <int Panels>
+void rows_pass(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride,
+               int64_t depth, const float* ahead, bool first, const float* bias, float* y, int64_t ldy,
+               int cols) {
+  int64_t m = 0;
+  for (; m + kTileRows <= rows; m += kTileRows) {
+    tile<kTileRows, Panels>(x + m * ldx, ldx, panels, panel_stride, depth, m == 0 ? ahead : nullptr,
+                            first, bias, y + m * ldy, ldy, cols);
+  }
+  const float* xm = x + m * ldx;
+  float* ym = y + m * ldy;
+  const float* pf = m == 0 ? ahead : nullptr;
+  switch (rows - m) {
+    case 5: tile<5, Panels>(xm, ldx, panels, panel_stride, depth, pf, first, bias, ym, ldy, cols); break;
+    case 4: tile<4, Panels>(xm, ldx, panels, panel_stride, depth, pf, first, bias, ym, ldy, cols); break;
+    case 3: tile<3, Panels>(xm, ldx, panels, panel_stride, depth, pf, first, bias, ym, ldy, cols); break;
+    case 2: tile<2, Panels>(xm, ldx, panels, panel_stride, depth, pf, first, bias, ym, ldy, cols); break;
+    case 1: tile<1, Panels>(xm, ldx, panels, panel_stride, depth, pf, first, bias, ym, ldy, cols); break;
+    default: break;
+  }
+}
+
+// Rows [0, rows) of x against `count` consecutive panels (count == kGroup unless the weight
+// ends first), in passes of kDepth k steps. Each pass prefetches what follows it in memory:
+// the next pass of this group, or after the last pass the next group's first one.
+void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t k_size,
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+  const int64_t stride = k_size * kPanel;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k_size - k0);
+    const bool first = k0 == 0, last = k0 + depth == k_size;
+    const float* ahead = last ? panels + kGroup * stride : panels + (k0 + depth) * kPanel;
+    const float* b = last ? bias : nullptr;
+    const float* xs = x + k0;
+    const float* ps = panels + k0 * kPanel;
+    switch (count) {
+      case 4: rows_pass<4>(xs, ldx, rows, ps, stride, depth, ahead, first, b, y, ldy, last_cols); break;
+      case 3: rows_pass<3>(xs, ldx, rows, ps, stride, depth, ahead, first, b, y, ldy, last_cols); break;
+      case 2: rows_pass<2>(xs, ldx, rows, ps, stride, depth, ahead, first, b, y, ldy, last_cols); break;
+      default: rows_pass<1>(xs, ldx, rows, ps, stride, depth, ahead, first, b, y, ldy, last_cols); break;
+    }
+  }
+}
+
+#else  // AVX2 + FMA, or portable C++
 #if defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kIsa = "avx2";
 // Rows x (16 * Panels) outputs: rows of x against Panels consecutive panels. The accumulators
 // (2 * Rows * Panels registers) are independent FMA chains; a Zen 3 / Skylake core needs
 // about eight in flight to keep both FMA pipes busy, hence the wide shapes for few rows.
@@ -87,6 +193,7 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_siz
   }
 }
 #else
+constexpr const char* kIsa = "portable";
 template <int Rows, int Panels>
 inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_size,
                  const float* bias, float* y, int64_t ldy, int cols) {
@@ -152,11 +259,17 @@ void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels,
   }
 }
 
+#endif  // __AVX512F__
+
 }  // namespace
 
 extern "C" {
 
 int64_t vgraph_linear_panel_width() { return kPanel; }
+
+// The instruction set this build's tiles use: "avx512", "avx2" or "portable" (chosen at
+// build time by -march=native; ops/linear.py logs it).
+const char* vgraph_linear_isa() { return kIsa; }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Each panel
 // is read from memory once and takes every row while it sits in cache. Groups of panels

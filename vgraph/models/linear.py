@@ -21,7 +21,7 @@ from torch import Tensor, nn
 import logging
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
-from vgraph.ops.linear import pack_weight, unpack_weight
+from vgraph.ops.linear import kernel_isa, pack_weight, unpack_weight
 from vgraph.ops.linear_tuning import TUNING_ROWS, choose_prefill_kernels, describe
 
 logger = logging.getLogger(__name__)
@@ -128,8 +128,8 @@ def pack_linears(model: nn.Module, skip: set[str]) -> int:
         return 0
     # The lm_head only sees the rows the sampler needs: it stays on the packed kernel.
     choices = choose_prefill_kernels(tuple(m.weight.shape) for n, m in targets if n != "lm_head")
-    logger.info("prefill GEMM per weight shape (up to %d rows, %d threads): %s", TUNING_ROWS,
-                torch.get_num_threads(), describe(choices))
+    logger.info("prefill GEMM per weight shape (up to %d rows, %d threads, packed kernel %s): %s",
+                TUNING_ROWS, torch.get_num_threads(), kernel_isa(), describe(choices))
     kept = 0
     for name, module in targets:
         choice = choices.get(tuple(module.weight.shape)) if name != "lm_head" else None
