@@ -78,3 +78,33 @@ def test_k_passes_keep_a_rows_bits_across_batch_sizes():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, big)
+
+
+# ``vgraph::rowmajor_linear``: the same tiles over a weight packed group by group as it runs.
+@pytest.mark.parametrize("out_features,in_features", [(81, 37), (147, 1030), (1, 5)])
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 64, 129])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rowmajor_gives_the_packed_kernels_bits(out_features, in_features, rows, with_bias):
+    w, x = torch.randn(out_features, in_features), torch.randn(rows, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    out = torch.ops.vgraph.rowmajor_linear(x, w, bias)
+    assert torch.equal(out, torch.ops.vgraph.packed_linear(x, pack_weight(w), bias, out_features))
+    if rows:
+        close(out, F.linear(x, w, bias))
+
+
+def test_rowmajor_takes_strided_weights_and_other_dtypes():
+    wide = torch.randn(40, 100)
+    w, x = wide[:, 10:74], torch.randn(3, 5, 64)  # weight rows 100 apart
+    close(torch.ops.vgraph.rowmajor_linear(x, w, None), F.linear(x, w))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(torch.ops.vgraph.rowmajor_linear(xb, wb, None), F.linear(xb, wb))
+
+
+def test_rowmajor_bad_inputs_and_opcheck():
+    with pytest.raises(ValueError, match="features"):
+        torch.ops.vgraph.rowmajor_linear(torch.randn(2, 31), torch.randn(24, 32), None)
+    with pytest.raises(ValueError, match="bias"):
+        torch.ops.vgraph.rowmajor_linear(torch.randn(2, 32), torch.randn(24, 32), torch.randn(23))
+    args = (torch.randn(3, 64), torch.randn(40, 64), torch.randn(40))
+    torch.library.opcheck(torch.ops.vgraph.rowmajor_linear.default, args)
