@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .linear import pack_weight
-from .native_build import cpu_features, kernel_cache_dir
+from .linear import kernel_isa, pack_weight
+from .native_build import CSRC, cpu_features, kernel_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +100,19 @@ def forced_kernel() -> str | None:
     return None if value == "auto" else value
 
 
+def _kernel_version() -> str:
+    """The packed kernel's source and instruction set: a choice measured against one build of
+    it says nothing about another (the AVX-512 tiles changed which shapes BLAS wins)."""
+    try:
+        source = (CSRC / "linear_cpu.cpp").read_bytes()
+    except OSError:
+        source = b""
+    return f"{hashlib.sha256(source).hexdigest()[:16]} {kernel_isa()}"
+
+
 def _cache_file() -> Path:
     machine = "\0".join([cpu_features(), str(torch.get_num_threads()), torch.__version__,
-                         str(TUNING_ROWS), str(MARGIN)])
+                         str(TUNING_ROWS), str(MARGIN), _kernel_version()])
     return kernel_cache_dir() / f"prefill-gemm-{hashlib.sha256(machine.encode()).hexdigest()[:20]}.json"
 
 

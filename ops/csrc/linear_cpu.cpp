@@ -15,14 +15,24 @@
 // group of panels is read once and reused by every row while x (rows x K) is re-read from
 // cache per group, 128 FMAs per float of x, far below any cache's bandwidth.
 //
+//
+// On a CPU with AVX-512 (chosen at build time: -march=native defines __AVX512F__) the tiles
+// are 6 rows x 4 panels, 24 zmm accumulators: per k step four weight loads and six broadcasts
+// feed 24 FMAs, against two loads and six broadcasts for 12 ymm FMAs on AVX2, so the loop
+// issues half the instructions per FLOP. K runs in passes of 1024 (a group's panels then stay
+// in L2 for every row block: a down projection's K = 4864 group is 1.2 MiB). Measured on one
+// Zen 4 core against the AVX2 tiles: 1.05-1.2x at 1 row, 1.1-1.6x at 4-16, 1.04-1.14x at 64, 1.0-1.1x at 512
+// on a 0.5B model's projections. vgraph_linear_rows runs the same tiles over a row-major weight.
+//
 // Each output is a plain float32 sum over k in order (fused multiply-adds), so results agree
 // with any other float32 GEMM to rounding, not bit for bit.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -33,7 +43,103 @@ constexpr int kTileRows = 6;   // rows of x per register tile
 constexpr int kGroup = 4;      // panels per unit of work (the widest tile spans all four)
 constexpr int64_t kParallelWork = int64_t{1} << 18;  // multiply-adds
 
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+// k steps per pass over a group: the group's four panels at 1024 k (256 KiB) stay in L2
+// while every row block of x reuses them; a longer K (an MLP's down projection) would
+// otherwise evict its panels between row blocks. The next pass continues each output's sum
+// from the float32 value stored in y, so the sum is the same in-order chain of FMAs.
+constexpr int64_t kDepth = 1024;
+
+// Rows x (16 * Panels) outputs over k in [0, depth) of rows of x against Panels consecutive
+// panels: one zmm register per 16 outputs, up to 6 x 4 = 24 accumulators (independent FMA
+// chains), four weight registers and one broadcast of x, within the 32 AVX-512 registers.
+// A k step costs Panels loads and Rows broadcasts for Rows * Panels FMAs, twice the work per
+// instruction of the AVX2 6x16 tile. `first`: start from zero (else from y, a previous pass);
+// `bias` (nullable, the last pass only) is added at the end. No software prefetch: unlike the
+// AVX2 tiles', it measured 4-15% slower at 1-64 rows (four prefetches per k step compete with
+// the four loads), with the weights in DRAM or in cache alike.
+template <int Rows, int Panels>
+inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int64_t depth,
+                 bool first, const float* bias, float* y, int64_t ldy, int cols) {
+  constexpr int kAcc = Rows * Panels;
+  const __mmask16 last_mask = static_cast<__mmask16>((1u << cols) - 1u);
+  __m512 acc[kAcc];  // output (m, p) in acc[m * Panels + p]
+#pragma GCC unroll 8
+  for (int m = 0; m < Rows; ++m) {
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) {
+      const __mmask16 mask = p == Panels - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+      acc[m * Panels + p] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * ldy + p * kPanel);
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    __m512 w[Panels];
+#pragma GCC unroll 4
+    for (int p = 0; p < Panels; ++p) w[p] = _mm512_loadu_ps(panels + p * panel_stride + k * kPanel);
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * ldx + k]);
+#pragma GCC unroll 4
+      for (int p = 0; p < Panels; ++p) acc[m * Panels + p] = _mm512_fmadd_ps(xm, w[p], acc[m * Panels + p]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int p = 0; p < Panels; ++p) {
+    const __mmask16 mask = p == Panels - 1 ? last_mask : static_cast<__mmask16>(0xffff);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + p * kPanel) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+      _mm512_mask_storeu_ps(y + m * ldy + p * kPanel, mask, _mm512_add_ps(acc[m * Panels + p], b));
+    }
+  }
+}
+
+// One pass (k in [0, depth)) of rows [0, rows) against Panels panels: six-row tiles, then one
+// tile for the last one to five rows; the row blocks after the first find the panels in L2.
+template <int Panels>
+void rows_pass(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride,
+               int64_t depth, bool first, const float* bias, float* y, int64_t ldy, int cols) {
+  int64_t m = 0;
+  for (; m + kTileRows <= rows; m += kTileRows) {
+    tile<kTileRows, Panels>(x + m * ldx, ldx, panels, panel_stride, depth, first, bias, y + m * ldy, ldy,
+                            cols);
+  }
+  const float* xm = x + m * ldx;
+  float* ym = y + m * ldy;
+  switch (rows - m) {
+    case 5: tile<5, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    case 4: tile<4, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    case 3: tile<3, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    case 2: tile<2, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    case 1: tile<1, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    default: break;
+  }
+}
+
+// Rows [0, rows) of x against `count` consecutive panels (count == kGroup unless the weight
+// ends first), in passes of kDepth k steps.
+void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t k_size,
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+  const int64_t stride = k_size * kPanel;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k_size - k0);
+    const bool first = k0 == 0, last = k0 + depth == k_size;
+    const float* b = last ? bias : nullptr;
+    const float* xs = x + k0;
+    const float* ps = panels + k0 * kPanel;
+    switch (count) {
+      case 4: rows_pass<4>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
+      case 3: rows_pass<3>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
+      case 2: rows_pass<2>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
+      default: rows_pass<1>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
+    }
+  }
+}
+
+#else  // AVX2 + FMA, or portable C++
 #if defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kIsa = "avx2";
 // Rows x (16 * Panels) outputs: rows of x against Panels consecutive panels. The accumulators
 // (2 * Rows * Panels registers) are independent FMA chains; a Zen 3 / Skylake core needs
 // about eight in flight to keep both FMA pipes busy, hence the wide shapes for few rows.
@@ -87,6 +193,7 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_siz
   }
 }
 #else
+constexpr const char* kIsa = "portable";
 template <int Rows, int Panels>
 inline void tile(const float* x, int64_t ldx, const float* panels, int64_t k_size,
                  const float* bias, float* y, int64_t ldy, int cols) {
@@ -152,11 +259,17 @@ void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels,
   }
 }
 
+#endif  // __AVX512F__
+
 }  // namespace
 
 extern "C" {
 
 int64_t vgraph_linear_panel_width() { return kPanel; }
+
+// The instruction set this build's tiles use: "avx512", "avx2" or "portable" (chosen at
+// build time by -march=native; ops/linear.py logs it).
+const char* vgraph_linear_isa() { return kIsa; }
 
 // y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T + bias (nullable). Each panel
 // is read from memory once and takes every row while it sits in cache. Groups of panels
@@ -176,6 +289,51 @@ void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const floa
     const int cols = first + count == panels ? last_cols : kPanel;
     panel_group(x, ldx, m, packed + first * k * kPanel, k, bias ? bias + first * kPanel : nullptr,
                 y + first * kPanel, ldy, count, cols);
+  }
+}
+
+// Packs the `count` panels from row `first_row` of a row-major weight w [n, k] (row stride
+// ldw) into `out` as [count][k][16], zero past row n: pack_weight's layout for one group.
+static void pack_group(const float* w, int64_t ldw, int64_t n, int64_t k, int64_t first_row, int count,
+                       float* out) {
+  for (int p = 0; p < count; ++p) {
+    float* panel = out + p * k * kPanel;
+    const int64_t row0 = first_row + p * kPanel;
+    const int width = static_cast<int>(std::min<int64_t>(kPanel, n - row0));
+    const float* src[kPanel];
+    for (int j = 0; j < kPanel; ++j) src[j] = w + (row0 + std::min(j, width - 1)) * ldw;
+    // k outer: the writes run front to back and each row's cache line serves 16 steps of k.
+    for (int64_t kk = 0; kk < k; ++kk) {
+#pragma GCC unroll 16
+      for (int j = 0; j < kPanel; ++j) panel[kk * kPanel + j] = j < width ? src[j][kk] : 0.f;
+    }
+  }
+}
+
+// The same product over a weight left row-major (W [n, k], row stride ldw): each thread packs
+// one group of panels at a time into its own buffer (a quarter MiB at k = 1024; it stays in
+// L2) and runs the packed tiles on it. For a weight that must stay unpacked: a tied lm_head
+// shares the embedding's storage, and a packed copy would double what is often a small
+// model's largest matrix. Packing costs one pass over the group per call, a few percent of
+// the tiles' work at decode batch sizes; results are the same in-order sums as vgraph_linear.
+void vgraph_linear_rows(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t ldw,
+                        int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t groups = (panels + kGroup - 1) / kGroup;
+  const int last_cols = static_cast<int>(n - (panels - 1) * kPanel);
+  const bool parallel = num_threads > 1 && groups > 1 && m * n * k >= kParallelWork;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    std::vector<float> buffer(static_cast<size_t>(kGroup * k * kPanel));
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t first = g * kGroup;
+      const int count = static_cast<int>(std::min<int64_t>(kGroup, panels - first));
+      const int cols = first + count == panels ? last_cols : kPanel;
+      pack_group(w, ldw, n, k, first * kPanel, count, buffer.data());
+      panel_group(x, ldx, m, buffer.data(), k, bias ? bias + first * kPanel : nullptr,
+                  y + first * kPanel, ldy, count, cols);
+    }
   }
 }
 

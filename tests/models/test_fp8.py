@@ -23,7 +23,7 @@ from tests.models.test_models import PagedSequence
 from vgraph import LLM, SamplingParams
 from vgraph.config import ModelConfig
 from vgraph.testing.checkpoints import build_tiny_fp8_static_checkpoint
-from vgraph.models.linear import PackedLinear
+from vgraph.models.linear import PackedLinear, RowMajorLinear
 from vgraph.models.llama import Linear, LlamaForCausalLM
 from vgraph.models.loader import load_model
 from vgraph.models.quantization import (Fp8Config, Fp8Linear, Fp8MergedLinear,
@@ -111,8 +111,9 @@ def test_fp8_at_load_quantizes_every_projection_and_nothing_else(arch: str) -> N
             proj = layer.get_submodule(name)
             assert isinstance(proj, Fp8Linear) and proj.input_scale is None
             assert proj.weight.dtype == FP8_DTYPE and proj.weight_scale.shape == (1,)
-    # lm_head stays float32 (packed on CPU, see models/linear.py)
-    assert isinstance(fp8.lm_head, (Linear, PackedLinear)) and fp8.lm_head.weight.dtype == torch.float32
+    # lm_head stays float32 (packed on CPU, or row-major on the same kernel when tied, see
+    # models/linear.py)
+    assert isinstance(fp8.lm_head, (Linear, PackedLinear, RowMajorLinear)) and fp8.lm_head.weight.dtype == torch.float32
     assert fp8.model.embed_tokens.weight.dtype == torch.float32 and fp8.dtype == torch.float32
     assert not any(isinstance(m, (Linear, PackedLinear)) for n, m in fp8.named_modules()
                    if n != "lm_head")

@@ -1,7 +1,7 @@
 """CPU float32 models run their projections over packed weights (vgraph/models/linear.py).
 
 What must hold: every float32 projection is packed and its unpacked copy is gone (memory
-does not double), a tied lm_head keeps sharing the embedding, the switch and other dtypes
+does not double), a tied lm_head keeps sharing the embedding (on the row-major kernel), the switch and other dtypes
 leave F.linear in place, logits agree with the unpacked model and with transformers, and a
 packed model can be loaded again in place.
 """
@@ -14,7 +14,7 @@ import transformers
 from tests.checkpoints import tiny_checkpoint
 from tests.models.test_models import PagedSequence
 from vgraph.config import ModelConfig
-from vgraph.models.linear import Linear, PackedLinear
+from vgraph.models.linear import Linear, PackedLinear, RowMajorLinear
 from vgraph.models.loader import iterate_weights, load_model
 from vgraph.ops import linear as linear_op
 
@@ -43,10 +43,23 @@ def test_untied_model_packs_every_projection_and_keeps_no_unpacked_copy():
 
 
 def test_tied_lm_head_keeps_sharing_the_embedding():
-    model = _load(tiny_checkpoint(arch="qwen2"))
-    assert type(model.lm_head) is Linear
+    """Not packed (no copy of the embedding): the row-major form of the same kernel, over the
+    embedding's own Parameter, through a reload too; logits still match transformers."""
+    path = tiny_checkpoint(arch="qwen2")
+    model = _load(path)
+    assert type(model.lm_head) is RowMajorLinear
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, PackedLinear)
+    logits = _logits(model, IDS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(IDS[None]).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    assert logits.argmax() == expected.argmax()
+    model.load_weights(iterate_weights(path))
+    assert type(model.lm_head) is RowMajorLinear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(_logits(model, IDS), logits)
 
 
 def test_logits_match_the_unpacked_model_and_transformers(monkeypatch):
