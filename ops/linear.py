@@ -108,6 +108,14 @@ def _check_dense(dense: Optional[Tensor], packed: Tensor, out_features: int) -> 
         raise ValueError(f"dense weight shape {tuple(dense.shape)} != ({out_features}, {packed.shape[1]})")
 
 
+def _as_rows(matrix: Tensor) -> Tensor:
+    """``matrix`` as the kernels read it: unit-stride rows, a row stride of at least a row
+    (a view that already is one is passed as it is, copying nothing)."""
+    if matrix.stride(-1) != 1 or (matrix.shape[0] > 1 and matrix.stride(0) < matrix.shape[1]):
+        return matrix.contiguous()
+    return matrix
+
+
 @vgraph_op("vgraph::packed_linear", mutates_args=())
 def packed_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
                   dense: Optional[Tensor] = None) -> Tensor:
@@ -138,9 +146,7 @@ def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
     function = _KERNEL.load()
     if function is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != x.dtype):
         return packed_linear_reference(x, packed, bias, out_features)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
+    rows = _as_rows(x.reshape(-1, x.shape[-1]))
     packed = packed.contiguous()
     bias = bias.contiguous() if bias is not None else None
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
@@ -181,11 +187,8 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     if (function is None or x.dtype != torch.float32 or weight.dtype != torch.float32
             or (bias is not None and bias.dtype != torch.float32)):
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < rows.shape[1]):
-        rows = rows.contiguous()
-    if weight.stride(-1) != 1 or (weight.shape[0] > 1 and weight.stride(0) < weight.shape[1]):
-        weight = weight.contiguous()
+    rows = _as_rows(x.reshape(-1, x.shape[-1]))
+    weight = _as_rows(weight)
     bias = bias.contiguous() if bias is not None else None
     n = weight.shape[0]
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)

@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .linear import kernel_isa, pack_weight
-from .native_build import CSRC, cpu_features, kernel_cache_dir
+from .linear import pack_weight
+from .native_build import NativeBuildError, build_name, cpu_features, kernel_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +101,13 @@ def forced_kernel() -> str | None:
 
 
 def _kernel_version() -> str:
-    """The packed kernel's source and instruction set: a choice measured against one build of
-    it says nothing about another (the AVX-512 tiles changed which shapes BLAS wins)."""
+    """The packed kernel's build (source, compiler, flags, CPU: ``native_build.build_name``): a
+    choice measured against one build says nothing about another (the AVX-512 tiles changed
+    which shapes BLAS wins)."""
     try:
-        source = (CSRC / "linear_cpu.cpp").read_bytes()
-    except OSError:
-        source = b""
-    return f"{hashlib.sha256(source).hexdigest()[:16]} {kernel_isa()}"
+        return build_name("linear_cpu")
+    except (OSError, NativeBuildError):  # no compiler or no source: nothing was measured either
+        return "unavailable"
 
 
 def _cache_file() -> Path:

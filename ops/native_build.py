@@ -85,6 +85,13 @@ def library_key(source: str, cxx: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+def build_name(name: str) -> str:
+    """What ``ops/csrc/<name>.cpp`` builds to here, ``<name>-<key>``: the key covers the source,
+    compiler, flags and CPU, so a measurement made against one build can be keyed by it."""
+    source = (CSRC / f"{name}.cpp").read_text(encoding="utf-8")
+    return f"{name}-{library_key(source, compiler())}"
+
+
 def _compile(cxx: str, source_file: Path, target: Path) -> None:
     """Compiles into a temporary file next to ``target`` and renames it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -261,6 +261,25 @@ void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels,
 
 #endif  // __AVX512F__
 
+// How n output columns split into groups of kGroup panels (the unit of work a thread takes),
+// and whether the call is worth a parallel region: it costs microseconds (and far more when
+// another process holds a core and the team waits for it); below kParallelWork multiply-adds
+// one thread is faster.
+struct PanelGroups {
+  int64_t panels, groups;
+  int last_cols;
+  bool parallel;
+
+  PanelGroups(int64_t m, int64_t n, int64_t k, int32_t num_threads)
+      : panels((n + kPanel - 1) / kPanel), groups((panels + kGroup - 1) / kGroup),
+        last_cols(static_cast<int>(n - (panels - 1) * kPanel)),
+        parallel(num_threads > 1 && groups > 1 && m * n * k >= kParallelWork) {}
+  // Panels in group g: kGroup except where the weight ends first.
+  int count(int64_t g) const { return static_cast<int>(std::min<int64_t>(kGroup, panels - g * kGroup)); }
+  // Columns in group g's last panel: 16 except in the weight's last panel.
+  int cols(int64_t g) const { return g * kGroup + count(g) == panels ? last_cols : kPanel; }
+};
+
 }  // namespace
 
 extern "C" {
@@ -276,19 +295,12 @@ const char* vgraph_linear_isa() { return kIsa; }
 // are shared out among threads.
 void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* packed,
                    int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t groups = (panels + kGroup - 1) / kGroup;
-  const int last_cols = static_cast<int>(n - (panels - 1) * kPanel);
-  // A parallel region costs microseconds (and far more when another process holds a core
-  // and the team waits for it); below this much work one thread is faster.
-  const bool parallel = num_threads > 1 && groups > 1 && m * n * k >= kParallelWork;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (parallel)
-  for (int64_t g = 0; g < groups; ++g) {
+  const PanelGroups split(m, n, k, num_threads);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (split.parallel)
+  for (int64_t g = 0; g < split.groups; ++g) {
     const int64_t first = g * kGroup;
-    const int count = static_cast<int>(std::min<int64_t>(kGroup, panels - first));
-    const int cols = first + count == panels ? last_cols : kPanel;
     panel_group(x, ldx, m, packed + first * k * kPanel, k, bias ? bias + first * kPanel : nullptr,
-                y + first * kPanel, ldy, count, cols);
+                y + first * kPanel, ldy, split.count(g), split.cols(g));
   }
 }
 
@@ -318,21 +330,16 @@ static void pack_group(const float* w, int64_t ldw, int64_t n, int64_t k, int64_
 // the tiles' work at decode batch sizes; results are the same in-order sums as vgraph_linear.
 void vgraph_linear_rows(const float* x, int64_t ldx, int64_t m, int64_t k, const float* w, int64_t ldw,
                         int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t groups = (panels + kGroup - 1) / kGroup;
-  const int last_cols = static_cast<int>(n - (panels - 1) * kPanel);
-  const bool parallel = num_threads > 1 && groups > 1 && m * n * k >= kParallelWork;
-#pragma omp parallel num_threads(num_threads) if (parallel)
+  const PanelGroups split(m, n, k, num_threads);
+#pragma omp parallel num_threads(num_threads) if (split.parallel)
   {
     std::vector<float> buffer(static_cast<size_t>(kGroup * k * kPanel));
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t g = 0; g < split.groups; ++g) {
       const int64_t first = g * kGroup;
-      const int count = static_cast<int>(std::min<int64_t>(kGroup, panels - first));
-      const int cols = first + count == panels ? last_cols : kPanel;
-      pack_group(w, ldw, n, k, first * kPanel, count, buffer.data());
+      pack_group(w, ldw, n, k, first * kPanel, split.count(g), buffer.data());
       panel_group(x, ldx, m, buffer.data(), k, bias ? bias + first * kPanel : nullptr,
-                  y + first * kPanel, ldy, count, cols);
+                  y + first * kPanel, ldy, split.count(g), split.cols(g));
     }
   }
 }

@@ -46,7 +46,7 @@ def test_the_tuning_cache_is_keyed_by_the_kernel_build(tmp_path, monkeypatch):
     """A prefill choice measured against the AVX2 tiles must not be reused by the AVX-512 ones."""
     monkeypatch.setenv("VGRAPH_CACHE_DIR", str(tmp_path))
     here = linear_tuning._cache_file()
-    monkeypatch.setattr(linear_tuning, "kernel_isa", lambda: "some-other-isa")
+    monkeypatch.setattr(linear_tuning, "build_name", lambda name: f"{name}-another-build")
     assert linear_tuning._cache_file() != here
 
 
