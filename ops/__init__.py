@@ -33,8 +33,9 @@ def build_cpu_kernels() -> dict[str, str | None]:
     first-use build before it reports ready rather than on its first request. Returns each
     kernel's name and why it is unavailable (None when it loaded)."""
     from . import cpu_attention_native, kv_cache, linear
-    kernels = {"paged_attention_cpu": cpu_attention_native._KERNEL, "kv_cache_cpu": kv_cache._NATIVE,
-               "linear_cpu": linear._KERNEL}
+    kernels = {"paged_attention_cpu": cpu_attention_native._KERNEL,
+               "prefill_attention_cpu": cpu_attention_native._PREFILL_KERNEL,
+               "kv_cache_cpu": kv_cache._NATIVE, "linear_cpu": linear._KERNEL}
     return {name: (None if kernel.load() is not None else kernel.unavailable)
             for name, kernel in kernels.items()}
 

@@ -16,13 +16,16 @@ K/V is read once. It accumulates in fp32 for every dtype; fp32 results agree wit
 reference's plain softmax to ~1e-7 relative. Half-precision inputs are not upcast first
 (the reference does), which stays well inside the half-type tolerance.
 
-Work is split into *segments* (a run of query rows of one sequence). Short segments (decode
-rows) go to the in-place C++ kernel (``cpu_attention_native``). A prefill with no cached
-context runs SDPA alone with ``is_causal``, which needs no mask and skips the upper
-triangle. The rest (chunked prefills, prefix-cache hits) are tiled into row ranges and
-grouped so that a group's padded mask and gathered K/V stay under fixed budgets, and so that
-short rows are not padded to the length of a long prefill in the same batch. The split is
-planned once per forward (``cached_plan``) and reused by every layer.
+Work is split into *segments* (a run of query rows of one sequence). With the C++ kernels
+(``cpu_attention_native``), short segments (decode rows) go to the short-segment kernel and
+every longer one (prefills, chunks, prefix-cache hits) to the prefill kernel, both reading
+the paged cache in place; the SDPA routes below then serve only when the kernels are off
+(``VGRAPH_CPU_ATTENTION=torch``, no compiler) or cannot take the inputs. There, a prefill
+with no cached context runs SDPA alone with ``is_causal``, which needs no mask and skips the
+upper triangle. The rest are tiled into row ranges and grouped so that a group's padded mask
+and gathered K/V stay under fixed budgets, and so that short rows are not padded to the
+length of a long prefill in the same batch. The split is planned once per forward
+(``cached_plan``) and reused by every layer.
 """
 from __future__ import annotations
 
@@ -257,27 +260,36 @@ def check_block_table_width(segments: list[Segment], block_table: Tensor, block_
 
 @dataclass(frozen=True)
 class Plan:
-    """One batch's work list, checked: the C++ kernel's segments and the SDPA path's."""
+    """One batch's work list, checked: the C++ kernels' segments and the SDPA path's."""
 
-    short: Tensor | None  # int64 [n, 4] (sequence, first row, rows, seq_len) for the C++ kernel
-    short_rows: int       # rows those segments cover
-    fresh: list[Segment]  # prefills with no cached context (every key is a query): causal SDPA
-    long: list[Segment]   # the rest: grouped, masked SDPA
+    short: Tensor | None  # int64 [n, 4] (sequence, first row, rows, seq_len): short-segment kernel
+    tiled: Tensor | None  # the same for the C++ prefill kernel (longer segments)
+    native_rows: int      # rows those two cover
+    fresh: list[Segment]  # SDPA path: prefills with no cached context (every key is a query)
+    long: list[Segment]   # SDPA path: the rest, grouped and masked
+
+
+def _segment_spec(segments: list[Segment]) -> Tensor | None:
+    rows = [(s.seq, s.start, s.q_len, s.seq_len) for s in segments]
+    return torch.tensor(rows, dtype=torch.int64) if rows else None
 
 
 def plan_batch(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
                seq_lens: Tensor, max_query_len: int, native_kernel: bool) -> Plan:
     """Splits the batch between the routes: segments of at most ``MAX_QUERY_ROWS`` rows go to
-    the in-place C++ kernel unless ``native_kernel`` is False or it cannot take the inputs."""
+    the short-segment C++ kernel, longer ones to the C++ prefill kernel, unless
+    ``native_kernel`` is False or the kernels cannot take the inputs (then SDPA)."""
     segments = sequence_segments(query_start_loc, seq_lens, q.shape[0], max_query_len)
     check_block_table_width(segments, block_table, k_cache.shape[1])
-    rest, short = segments, []
-    if native_kernel and segments and native.supports(q, k_cache) and native.enabled():
-        short = [(s.seq, s.start, s.q_len, s.seq_len) for s in segments if s.q_len <= native.MAX_QUERY_ROWS]
-        rest = [s for s in segments if s.q_len > native.MAX_QUERY_ROWS]
-    spec = torch.tensor(short, dtype=torch.int64) if short else None
-    return Plan(spec, sum(s[2] for s in short), [s for s in rest if s.q_len == s.seq_len],
-                [s for s in rest if s.q_len != s.seq_len])
+    rest, short, tiled = segments, [], []
+    if native_kernel and segments and native.supports(q, k_cache):
+        if native.enabled():
+            short = [s for s in rest if s.q_len <= native.MAX_QUERY_ROWS]
+            rest = [s for s in rest if s.q_len > native.MAX_QUERY_ROWS]
+        if native.prefill_enabled():
+            tiled, rest = rest, []
+    return Plan(_segment_spec(short), _segment_spec(tiled), sum(s.q_len for s in short + tiled),
+                [s for s in rest if s.q_len == s.seq_len], [s for s in rest if s.q_len != s.seq_len])
 
 
 def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc: Tensor,
@@ -296,15 +308,17 @@ def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc
     return plan
 
 
-def attend_short_segments_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor,
-                                   block_table: Tensor, plan: Plan, scale: float) -> Tensor:
-    """The C++ kernel's rows of the output; zeros elsewhere (the SDPA path fills its rows)."""
-    if plan.short is None:  # rows no segment covers (padding) must read zero
-        covered = sum(s.q_len for s in plan.fresh) + sum(s.q_len for s in plan.long)
+def attend_native_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                           plan: Plan, scale: float) -> Tensor:
+    """The C++ kernels' rows of the output; zeros elsewhere (the SDPA path fills its rows)."""
+    covered = plan.native_rows + sum(s.q_len for s in plan.fresh) + sum(s.q_len for s in plan.long)
+    if plan.native_rows == 0:  # rows no segment covers (padding) must read zero
         return q.new_empty(q.shape) if covered == q.shape[0] else q.new_zeros(q.shape)
-    every_row = plan.short_rows == q.shape[0]  # then the kernel writes every row itself
+    every_row = plan.native_rows == q.shape[0]  # then the kernels write every row themselves
     out = (torch.empty if every_row else torch.zeros)(q.shape, dtype=torch.float32)
-    native.attend_segments(q, k_cache, v_cache, block_table, plan.short, scale, out)
+    for spec, long_segments in ((plan.short, False), (plan.tiled, True)):
+        if spec is not None:
+            native.attend_segments(q, k_cache, v_cache, block_table, spec, scale, out, long_segments)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -315,9 +329,10 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                         new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Same contract and results as ``paged_attention_reference``, batched over sequences.
 
-    Segments of at most ``MAX_QUERY_ROWS`` rows go to the in-place C++ kernel unless
-    ``native_kernel`` is False (the perf suite times both paths); prefills without cached
-    context to causal SDPA, one sequence each; the rest to grouped, masked SDPA.
+    With ``native_kernel`` (the default; the perf suite times both paths) every segment goes
+    to one of the in-place C++ kernels. Otherwise, or when they cannot take the inputs,
+    prefills without cached context go to causal SDPA, one sequence each, and the rest to
+    grouped, masked SDPA.
 
     Shapes and dtypes are checked by the caller (the op registration); the metadata is read
     on the host here, which is cheap on CPU and lets the batch be grouped by length.
@@ -325,7 +340,7 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     dtype (``vgraph::unified_attention`` has them); fresh prefills then read them directly.
     """
     plan = cached_plan(q, k_cache, block_table, query_start_loc, seq_lens, max_query_len, native_kernel)
-    out = attend_short_segments_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale)
+    out = attend_native_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale)
     for seg in plan.fresh:
         attend_fresh_prefill(q, k_cache, v_cache, block_table, seg, softmax_scale, out, new_kv)
     tiles = [tile for seg in plan.long for tile in tile_segment(seg, pair_budget)]

@@ -1,14 +1,18 @@
-"""The in-place C++ CPU attention (``csrc/paged_attention_cpu.cpp``) for short query segments.
+"""The in-place C++ CPU attention: ``csrc/paged_attention_cpu.cpp`` for short query segments,
+``csrc/prefill_attention_cpu.cpp`` for long ones.
 
 A decode row reads its sequence's K/V rows straight from the paged cache, once, through the
 block table; the torch path (``cpu_attention.attend_group``) first gathers them into a padded
 copy and then reads that copy in SDPA. At decode the KV cache is the bulk of the bytes a step
 moves besides the weights, so this halves them or better. ``cpu_attention`` sends segments of
-at most ``MAX_QUERY_ROWS`` rows here and longer prefills to SDPA.
+at most ``MAX_QUERY_ROWS`` rows to the first kernel and longer ones to the second, which
+runs every prefill of a batch in one GEMM-shaped parallel loop instead of one SDPA call per
+prompt from Python.
 
-The kernel is built on first use (``native_build``). Without a working compiler the op keeps
-the torch path for everything, with one warning; ``VGRAPH_CPU_ATTENTION=torch`` forces that
-path (to compare the two, or to rule the kernel out).
+Both take the same argument struct (``csrc/paged_attention_common.h``). The kernels are built
+on first use (``native_build``). Without a working compiler the op keeps the torch path
+(SDPA) for everything, with one warning; ``VGRAPH_CPU_ATTENTION=torch`` forces that path (to
+compare the two, or to rule the kernels out).
 """
 from __future__ import annotations
 
@@ -21,9 +25,9 @@ from torch import Tensor
 
 from .native_build import NativeBuildError, NativeKernel
 
-# Longest query segment the kernel takes: every query vector of a (segment, KV head) pair is
-# scored against each K row while it is in L1. Past a few rows, SDPA's GEMM-shaped kernel is
-# faster and the K/V copy it needs is amortised over many rows.
+# Longest query segment the short-segment kernel takes: every query vector of a (segment, KV
+# head) pair is scored against each K row while it is in L1. Past a few rows the prefill
+# kernel's GEMM-shaped tiles are faster.
 MAX_QUERY_ROWS = 16
 MAX_HEAD_DIM = 1024
 _CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -47,18 +51,20 @@ class _Args(ctypes.Structure):
     ]
 
 
-def _struct_problem(lib: ctypes.CDLL) -> str | None:
-    if lib.vgraph_paged_attention_args_size() != ctypes.sizeof(_Args):
-        return "the C++ argument struct and its ctypes mirror differ"
-    return None
+def _kernel(library: str, purpose: str) -> NativeKernel:
+    function = f"vgraph_{library.removesuffix('_cpu')}"
+
+    def struct_problem(lib: ctypes.CDLL) -> str | None:
+        if getattr(lib, f"{function}_args_size")() != ctypes.sizeof(_Args):
+            return "the C++ argument struct and its ctypes mirror differ"
+        return None
+
+    return NativeKernel(library, function, [ctypes.POINTER(_Args)], ctypes.c_int64, purpose,
+                        struct_problem)
 
 
-def _kernel() -> NativeKernel:
-    return NativeKernel("paged_attention_cpu", "vgraph_paged_attention", [ctypes.POINTER(_Args)],
-                        ctypes.c_int64, "CPU decode attention (in place)", _struct_problem)
-
-
-_KERNEL = _kernel()
+_KERNEL = _kernel("paged_attention_cpu", "CPU decode attention (in place)")
+_PREFILL_KERNEL = _kernel("prefill_attention_cpu", "CPU prefill attention (in place)")
 
 
 def enabled() -> bool:
@@ -66,6 +72,13 @@ def enabled() -> bool:
     if os.environ.get(ENV_SWITCH, "").lower() == "torch":
         return False
     return _KERNEL.load() is not None
+
+
+def prefill_enabled() -> bool:
+    """Whether long segments go to the C++ prefill kernel (it builds on the first call)."""
+    if os.environ.get(ENV_SWITCH, "").lower() == "torch":
+        return False
+    return _PREFILL_KERNEL.load() is not None
 
 
 def supports(q: Tensor, k_cache: Tensor) -> bool:
@@ -76,13 +89,15 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
 
 def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     segments: Sequence[tuple[int, int, int, int]] | Tensor, scale: float,
-                    out: Tensor) -> None:
+                    out: Tensor, long_segments: bool = False) -> None:
     """Writes the attention of ``segments`` ((sequence, first row, rows, seq_len) each, or
     those rows as an int64 [n, 4] tensor) into their rows of ``out`` (float32, contiguous,
-    same shape as q)."""
-    function = _KERNEL.load()
+    same shape as q). ``long_segments``: use the prefill kernel (any length) instead of the
+    short-segment one (at most ``MAX_QUERY_ROWS`` rows each)."""
+    kernel = _PREFILL_KERNEL if long_segments else _KERNEL
+    function = kernel.load()
     if function is None:
-        raise NativeBuildError(_KERNEL.unavailable or "the C++ attention kernel is not loaded")
+        raise NativeBuildError(kernel.unavailable or "the C++ attention kernel is not loaded")
     if len(segments) == 0:
         return
     q32 = q.to(torch.float32).contiguous()

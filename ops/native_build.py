@@ -6,8 +6,8 @@ no torch API (they take raw pointers through ctypes), so a plain compiler call b
 about a second. It is the compiler Inductor's CPU backend needs anyway (``$CXX``, else ``c++``).
 
 Cache: ``$VGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/vgraph/kernels``), one file per
-hash of the source, the compiler's version, the flags and this CPU's feature flags (the
-build targets ``-march=native``). Builds land in a temporary file renamed into place, so
+hash of the source (with the headers beside it), the compiler's version, the flags and this
+CPU's feature flags (the build targets ``-march=native``). Builds land in a temporary file renamed into place, so
 concurrent first users each end with one complete library. A cache that cannot be written
 (read-only, full, a file in the way) builds into one temporary directory for this process
 instead, with one warning for all the kernels; a cached library that cannot be loaded
@@ -85,11 +85,18 @@ def library_key(source: str, cxx: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+def source_text(name: str) -> str:
+    """What a build of ``ops/csrc/<name>.cpp`` depends on: its text and that of every header
+    beside it (the kernels share some), so editing a header rebuilds its users."""
+    parts = [(CSRC / f"{name}.cpp").read_text(encoding="utf-8")]
+    parts += [header.read_text(encoding="utf-8") for header in sorted(CSRC.glob("*.h"))]
+    return "\0".join(parts)
+
+
 def build_name(name: str) -> str:
     """What ``ops/csrc/<name>.cpp`` builds to here, ``<name>-<key>``: the key covers the source,
     compiler, flags and CPU, so a measurement made against one build can be keyed by it."""
-    source = (CSRC / f"{name}.cpp").read_text(encoding="utf-8")
-    return f"{name}-{library_key(source, compiler())}"
+    return f"{name}-{library_key(source_text(name), compiler())}"
 
 
 def _compile(cxx: str, source_file: Path, target: Path) -> None:
@@ -158,7 +165,7 @@ def load_library(name: str) -> ctypes.CDLL:
     fall back to their torch implementation.
     """
     source_file = CSRC / f"{name}.cpp"
-    source = source_file.read_text(encoding="utf-8")
+    source = source_text(name)
     cxx = compiler()
     with _lock:
         path = _build(name, cxx, source_file, source)

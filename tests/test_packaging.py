@@ -92,14 +92,15 @@ def test_installed_distribution_runs_generate(tmp_path, how):
     probe = ("import importlib.metadata as m, vgraph, vgraph.compiler, vgraph.ops.kernels, vgraph.passes\n"
              "print(vgraph.__file__); print(vgraph.compiler.__file__)\n"
              "print(sorted({f.parts[0] for f in m.distribution('vgraph').files if f.parts[0] != '..'}))\n"
-             "print(sorted(f.name for f in m.distribution('vgraph').files if f.suffix == '.cpp'))\n"
+             "print(sorted(f.name for f in m.distribution('vgraph').files if f.suffix in ('.cpp', '.h')))\n"
              "print(sorted(f.name for f in m.distribution('vgraph').files if 'demo-model-v1' in f.parts))")
     lines = _run([str(python), "-c", probe], work, env).stdout.splitlines()
     vgraph_file, compiler_file, top, cpp, demo_files = lines[:5]
     assert Path(vgraph_file).is_relative_to(site) and Path(compiler_file).is_relative_to(site), \
         f"vgraph must come from the installed distribution in {site}, not {vgraph_file}"
     assert top == str(["vgraph", f"vgraph-{__version__}.dist-info"]), f"only vgraph ships (not tests/, perf/...): {top}"
-    assert "paged_attention_cpu.cpp" in cpp, f"csrc/*.cpp of vgraph.ops must ship, found {cpp}"
+    for source in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "paged_attention_common.h"):
+        assert source in cpp, f"csrc/*.cpp and csrc/*.h of vgraph.ops must ship, found {cpp}"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert repr(name) in demo_files, f"the demo model's {name} must ship as package data, found {demo_files}"
     result = _run([str(python.parent / "vgraph"), "generate", "--prompt", "Hi", "--max-tokens", "4",

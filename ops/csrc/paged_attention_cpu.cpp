@@ -22,90 +22,15 @@
 #include <limits>
 #include <vector>
 
+#include "paged_attention_common.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-enum CacheDType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// Mirrored field for field by the ctypes Structure in ops/cpu_attention_native.py;
-// vgraph_paged_attention_args_size() lets the loader check the layout agrees.
-struct PagedAttentionArgs {
-  const float* q;            // [tokens, q_heads, head_dim], contiguous
-  float* out;                // same shape; rows of the segments are overwritten
-  const void* k_cache;
-  const void* v_cache;
-  int64_t k_strides[3];      // block, slot-in-block, kv head (elements); head_dim is unit-stride
-  int64_t v_strides[3];
-  const void* block_table;   // [sequences, width], int32 or int64
-  int64_t block_table_stride;
-  const int64_t* segments;   // [num_segments, 4]: sequence, first query row, query rows, seq_len
-  int64_t num_segments;
-  int64_t num_blocks;
-  int32_t q_heads;
-  int32_t kv_heads;
-  int32_t head_dim;
-  int32_t block_size;
-  int32_t cache_dtype;       // CacheDType
-  int32_t block_table_is_int64;
-  int32_t num_threads;
-  float scale;
-};
-
-inline float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-inline float f16_to_float(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
-  uint32_t exponent = (bits >> 10) & 0x1fu;
-  uint32_t mantissa = bits & 0x3ffu;
-  uint32_t wide;
-  if (exponent == 0x1fu) {                 // inf / nan
-    wide = sign | 0x7f800000u | (mantissa << 13);
-  } else if (exponent != 0) {              // normal
-    wide = sign | ((exponent + 112u) << 23) | (mantissa << 13);
-  } else if (mantissa == 0) {              // signed zero
-    wide = sign;
-  } else {                                 // subnormal: normalise the mantissa
-    exponent = 113u;
-    while ((mantissa & 0x400u) == 0) {
-      mantissa <<= 1;
-      --exponent;
-    }
-    wide = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
-  }
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
-}
-
-// `keys` rows of one KV head as float32 rows `*stride` apart: the cache itself for float32,
-// else converted into `scratch` (keys x head_dim).
-inline const float* rows_as_float(const void* cache, int64_t offset, int64_t token_stride,
-                                  int32_t dtype, int keys, int head_dim, float* scratch,
-                                  int64_t* stride) {
-  if (dtype == kFloat32) {
-    *stride = token_stride;
-    return static_cast<const float*>(cache) + offset;
-  }
-  *stride = head_dim;
-  for (int t = 0; t < keys; ++t) {
-    const uint16_t* src = static_cast<const uint16_t*>(cache) + offset + t * token_stride;
-    float* dst = scratch + static_cast<int64_t>(t) * head_dim;
-    if (dtype == kBFloat16) {
-      for (int d = 0; d < head_dim; ++d) dst[d] = bf16_to_float(src[d]);
-    } else {
-      for (int d = 0; d < head_dim; ++d) dst[d] = f16_to_float(src[d]);
-    }
-  }
-  return scratch;
-}
+using namespace vgraph_attention;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // AVX2 forms of the three inner loops. The compiler's own vectorisation of the dot product
@@ -315,12 +240,6 @@ inline float exp_shifted(float* score, int n, float max) {
   return sum;
 }
 #endif
-
-inline int64_t block_id(const PagedAttentionArgs& a, int64_t seq, int64_t index) {
-  const int64_t at = seq * a.block_table_stride + index;
-  return a.block_table_is_int64 ? static_cast<const int64_t*>(a.block_table)[at]
-                                : static_cast<const int32_t*>(a.block_table)[at];
-}
 
 // Per-thread buffers, kept across calls so the hot path never allocates.
 struct Scratch {

@@ -1,12 +1,14 @@
-"""The C++ CPU paged-attention kernel (``ops/csrc/paged_attention_cpu.cpp``), its ctypes
-binding (``cpu_attention_native``) and its builder (``native_build``).
+"""The C++ CPU paged-attention kernels (``ops/csrc/paged_attention_cpu.cpp`` for short
+segments, ``ops/csrc/prefill_attention_cpu.cpp`` for long ones), their ctypes binding
+(``cpu_attention_native``) and their builder (``native_build``).
 
-``paged_attention_cpu`` sends segments of at most ``MAX_QUERY_ROWS`` query rows to the kernel
-and longer ones to gather + SDPA. Here both routes are checked against the per-sequence
-reference and against each other (``VGRAPH_CPU_ATTENTION=torch`` forces SDPA for all rows),
-spies prove which segments took which route, and the kernel's own contract is checked:
-arbitrary cache strides, bit-identical results for any thread count, out-of-range block ids
-reported as a ValueError naming the sequence. The builder's cache (one file per key, reuse
+``paged_attention_cpu`` sends segments of at most ``MAX_QUERY_ROWS`` query rows to the short
+kernel and longer ones to the prefill kernel; without them, everything goes to gather + SDPA.
+Here the routes are checked against the per-sequence reference and against each other
+(``VGRAPH_CPU_ATTENTION=torch`` forces SDPA for all rows), spies prove which segments took
+which route, and the kernels' own contract is checked: arbitrary cache strides, bit-identical
+results for any thread count, out-of-range block ids reported as a ValueError naming the
+sequence. The builder's cache (one file per key, reuse
 without a compiler call, a private fallback when the cache is not writable, clear errors)
 and the op's fallback to the torch path without a compiler are checked last.
 
@@ -72,16 +74,17 @@ def assert_zero_rows_outside_sequences(b, out: torch.Tensor) -> None:
 
 @pytest.fixture
 def routes(monkeypatch):
-    """Records the segments each route gets: ``native`` (the C++ kernel) and ``sdpa`` (grouped
-    masked SDPA, or causal SDPA for a prefill without cached context)."""
+    """Records the segments each route gets: ``native`` (the short-segment C++ kernel),
+    ``tiled`` (the C++ prefill kernel) and ``sdpa`` (grouped masked SDPA, or causal SDPA for a
+    prefill without cached context)."""
     monkeypatch.delenv(native.ENV_SWITCH, raising=False)
-    calls = types.SimpleNamespace(native=[], sdpa=[])
+    calls = types.SimpleNamespace(native=[], tiled=[], sdpa=[])
     real_native, real_group = native.attend_segments, cpu_attention.attend_group
 
-    def native_spy(q, k_cache, v_cache, block_table, segments, scale, out):
+    def native_spy(q, k_cache, v_cache, block_table, segments, scale, out, long_segments=False):
         rows = segments.tolist() if isinstance(segments, torch.Tensor) else segments
-        calls.native.extend(tuple(s) for s in rows)
-        return real_native(q, k_cache, v_cache, block_table, segments, scale, out)
+        (calls.tiled if long_segments else calls.native).extend(tuple(s) for s in rows)
+        return real_native(q, k_cache, v_cache, block_table, segments, scale, out, long_segments)
 
     def group_spy(q, k_cache, v_cache, block_table, segments, scale, out):
         calls.sdpa.extend((s.seq, s.start, s.q_len, s.seq_len) for s in segments)
@@ -99,6 +102,7 @@ def routes(monkeypatch):
 
     def reset() -> None:
         calls.native.clear()
+        calls.tiled.clear()
         calls.sdpa.clear()
 
     calls.reset = reset
@@ -144,15 +148,16 @@ def test_kernel_and_sdpa_routes_match_reference(monkeypatch, routes, dtype, kv_h
     assert out_native.dtype == dtype
     assert_close_rel(out_native, ref)
     assert_zero_rows_outside_sequences(b, out_native)
-    # Every short segment went to the kernel, once; no long one did, and SDPA got only those.
+    # Every short segment went to the short kernel, once, every long one to the prefill
+    # kernel, and SDPA got nothing.
     assert sorted(routes.native) == sorted(short)
-    assert {s[0] for s in routes.sdpa} == {s[0] for s in long}
-    assert sum(s[2] for s in routes.sdpa) == sum(s[2] for s in long)
+    assert sorted(routes.tiled) == sorted(long)
+    assert routes.sdpa == []
 
     routes.reset()
     monkeypatch.setenv(native.ENV_SWITCH, "torch")
     out_torch = paged_attention_cpu(*args)
-    assert routes.native == []
+    assert routes.native == routes.tiled == []
     assert {s[0] for s in routes.sdpa} == {s[0] for s in short | long}
     assert_close_rel(out_torch, ref)
     assert_close_rel(out_native, out_torch)
@@ -179,31 +184,57 @@ def test_kernel_writes_exactly_its_segments_rows(dtype):
 
 
 @requires_compiler
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 7), (1, 40)],
+                         ids=["mha", "gqa4", "gqa7", "gqa40"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_writes_exactly_its_segments_rows(dtype, kv_heads, group):
+    """The prefill kernel called directly, on segments of every length class: one query tile
+    or several, key tiles before the diagonal or not, with and without cached context, and
+    GQA groups whose rows fill a vector, several, or part of one (40 query heads per KV head
+    make one tile of 64 rows plus padding). Other rows of ``out`` are left as they were."""
+    specs = [(0, M + 1), (5, 200), PAD, (64, 63), (0, 64), (130, 65), (1, 129), (7, 1)]
+    b = make_batch(specs, kv_heads, group, 64, 16, dtype, extra_rows=2)
+    ref = paged_attention_reference(*b.attention_args())
+    chosen = sorted(segment_tuples(b, short=False))
+    assert len(chosen) == 6
+    out = torch.full(b.q.shape, 7.0)
+    native.attend_segments(b.q, b.k_cache, b.v_cache, b.block_table, chosen, b.scale, out,
+                           long_segments=True)
+    written = torch.zeros(b.q.shape[0], dtype=torch.bool)
+    for _, start, q_len, _ in chosen:
+        written[start:start + q_len] = True
+        assert_close_rel(out[start:start + q_len], ref[start:start + q_len], dtype)
+    assert torch.equal(out[~written], torch.full_like(out[~written], 7.0))
+
+
+@requires_compiler
 @pytest.mark.parametrize("head_dim", [7, 17, 40, 129])
 def test_head_dims_off_the_vector_width(routes, head_dim):
-    """Scalar tails of the dot products and the V accumulation (the AVX2 loops take 8-32 lanes)."""
-    b = make_batch([(0, 1), (9, 3), (33, 1), (20, M)], 2, 2, head_dim, 16, torch.float32,
-                   extra_rows=1)
+    """Scalar tails of the dot products and the V accumulation (the AVX2 loops take 8-32 lanes;
+    the prefill kernel's micro-tiles take 6 head-dim values at a time)."""
+    b = make_batch([(0, 1), (9, 3), (33, 1), (20, M), (0, 50), (11, 30)], 2, 2, head_dim, 16,
+                   torch.float32, extra_rows=1)
     assert_close_rel(paged_attention_cpu(*b.attention_args()),
                      paged_attention_reference(*b.attention_args()))
-    assert len(routes.native) == 4
+    assert len(routes.native) == 4 and len(routes.tiled) == 2
 
 
 @requires_compiler
 def test_peaked_softmax_matches_reference(routes):
-    """Scores spanning hundreds: the kernel's exp approximation and running-max rescaling."""
-    b = make_batch([(0, 1), (50, 1), (17, 6), (90, M), (5, 2)], 2, 4, 64, 16, torch.float32)
+    """Scores spanning hundreds: the kernels' exp approximation and running-max rescaling."""
+    b = make_batch([(0, 1), (50, 1), (17, 6), (90, M), (5, 2), (0, 150), (70, 90)], 2, 4, 64,
+                   16, torch.float32)
     b.q *= 30.0
     assert_close_rel(paged_attention_cpu(*b.attention_args()),
                      paged_attention_reference(*b.attention_args()))
-    assert len(routes.native) == 5
+    assert len(routes.native) == 5 and len(routes.tiled) == 2
 
 
 @requires_compiler
 def test_float16_subnormal_cache_values(routes):
     """K/V made only of float16 subnormals: the kernel's half-to-float conversion must keep
     them (flushing them to zero would give zero outputs)."""
-    b = make_batch([(12, 1), (30, 4), (3, 2)], 2, 2, 64, 16, torch.float16)
+    b = make_batch([(12, 1), (30, 4), (3, 2), (0, 40)], 2, 2, 64, 16, torch.float16)
     tiny = torch.finfo(torch.float16).tiny  # smallest normal; values below it are subnormal
     for cache in (b.k_cache, b.v_cache):
         finite = ~cache.isnan()
@@ -214,7 +245,7 @@ def test_float16_subnormal_cache_values(routes):
     out = paged_attention_cpu(*b.attention_args())
     assert ref.abs().max() > 0
     assert_close_rel(out, ref)
-    assert len(routes.native) == 3
+    assert len(routes.native) == 3 and len(routes.tiled) == 1
 
 
 # --- 2. caches and block tables read through their strides ----------------------------------
@@ -263,10 +294,11 @@ def test_strided_caches_match_reference(monkeypatch, routes, dtype, k_layout, v_
 
     out = paged_attention_cpu(*args)
     assert_close_rel(out, ref)
-    # The kernel takes any cache strides with a unit-stride head_dim in K (V is copied when
+    # The kernels take any cache strides with a unit-stride head_dim in K (V is copied when
     # needed); a K cache without one goes to SDPA whole.
-    expected_native = set() if k_layout == "strided_head_dim" else segment_tuples(b, True)
-    assert set(routes.native) == expected_native
+    strided_k = k_layout == "strided_head_dim"
+    assert set(routes.native) == (set() if strided_k else segment_tuples(b, True))
+    assert set(routes.tiled) == (set() if strided_k else segment_tuples(b, False))
 
     monkeypatch.setenv(native.ENV_SWITCH, "torch")
     assert_close_rel(paged_attention_cpu(*args), ref)
@@ -276,7 +308,7 @@ def test_strided_caches_match_reference(monkeypatch, routes, dtype, k_layout, v_
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("layout", ["row_slice", "column_major", "shared_row_offset"])
 def test_strided_block_tables(routes, table_dtype, layout):
-    b = make_batch([(0, 1), (40, 1), (13, 5), (70, 3)], 1, 4, 64, 16, torch.float32)
+    b = make_batch([(0, 1), (40, 1), (13, 5), (70, 3), (20, 45)], 1, 4, 64, 16, torch.float32)
     ref = paged_attention_reference(*b.attention_args())
     table = b.block_table.to(table_dtype)
     n, width = table.shape
@@ -293,7 +325,7 @@ def test_strided_block_tables(routes, table_dtype, layout):
     args = b.attention_args()
     args[3] = table
     assert_close_rel(torch.ops.vgraph.paged_attention(*args), ref)
-    assert len(routes.native) == 4
+    assert len(routes.native) == 4 and len(routes.tiled) == 1
 
 
 # --- 3. threads ------------------------------------------------------------------------------
@@ -303,15 +335,16 @@ def test_strided_block_tables(routes, table_dtype, layout):
 @pytest.mark.parametrize("kv_heads,group", [(4, 1), (3, 2), (1, 7)])
 def test_two_threads_give_bit_identical_results(routes, restore_threads, num_seqs, kv_heads,
                                                 group):
-    """With few segments the kernel splits the KV heads of one segment across threads."""
+    """With few segments the short kernel splits the KV heads of one segment across threads;
+    the prefill kernel gives each (segment, KV head, query tile) to one thread."""
     rng = random.Random(num_seqs * 10 + kv_heads)
-    specs = [(rng.randint(0, 80), rng.choice([1, 1, 2, 5, M])) for _ in range(num_seqs)]
+    specs = [(rng.randint(0, 80), rng.choice([1, 1, 2, 5, M, 40, 150])) for _ in range(num_seqs)]
     b = make_batch(specs, kv_heads, group, 64, 16, torch.bfloat16, extra_rows=1)
     results = []
     for threads in (1, 2, 1, 2):
         torch.set_num_threads(threads)
         results.append(paged_attention_cpu(*b.attention_args()))
-    assert len(routes.native) == 4 * num_seqs and routes.sdpa == []
+    assert len(routes.native) + len(routes.tiled) == 4 * num_seqs and routes.sdpa == []
     for out in results[1:]:
         assert torch.equal(out, results[0])
     assert_close_rel(results[0], paged_attention_reference(*b.attention_args()))
@@ -351,16 +384,20 @@ def test_concurrent_callers_get_their_own_results(routes):
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("bad", ["num_blocks", "-1", "huge"])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kernel", ["short", "prefill"])
 def test_block_id_outside_the_cache_raises_naming_the_sequence(restore_threads, table_dtype,
-                                                               bad, threads):
+                                                               bad, threads, kernel):
+    """Sequences 2 and 4 are short segments, or long ones (the prefill kernel's)."""
     torch.set_num_threads(threads)
-    b = make_batch([(4, 1), (30, 1), (20, 3), (0, 2), (50, M)], 2, 2, 64, 16, torch.float32)
+    rows = {"short": (3, M), "prefill": (30, 40)}[kernel]
+    b = make_batch([(4, 1), (30, 1), (20, rows[0]), (0, 2), (50, rows[1])], 2, 2, 64, 16,
+                   torch.float32)
     args = b.attention_args()
     num_blocks = b.k_cache.shape[0]
     value = {"num_blocks": num_blocks, "-1": -1,
              "huge": 2 ** 40 if table_dtype == torch.int64 else 2 ** 31 - 1}[bad]
     table = b.block_table.to(table_dtype, copy=True)
-    table[2, 1] = value  # sequence 2 has 23 keys: block 1 is live
+    table[2, 1] = value  # sequence 2 has 23 or 50 keys: block 1 is live
     args[3] = table
     with pytest.raises(ValueError, match=rf"sequence 2\b.*outside the cache's {num_blocks} blocks"):
         torch.ops.vgraph.paged_attention(*args)
@@ -526,17 +563,18 @@ def test_missing_compiler_raises_a_clear_error(monkeypatch, fresh_load_library):
 
 # --- 6. fallback without a kernel ------------------------------------------------------------
 
-def fresh_kernel():
+def fresh_kernel(library: str):
     """A not-yet-loaded kernel object like ``cpu_attention_native._KERNEL``."""
-    factory = getattr(native, "_kernel", None) or getattr(native, "_Kernel")
-    kernel = factory()
+    kernel = native._kernel(library, library.replace("_cpu", "").replace("_", " "))
     assert kernel.function is None and kernel.unavailable is None
     return kernel
 
 
 def test_without_a_compiler_the_torch_route_serves_every_row_with_one_warning(
         monkeypatch, caplog, routes, fresh_load_library):
-    monkeypatch.setattr(native, "_KERNEL", fresh_kernel())
+    """One warning per kernel, whatever the number of calls."""
+    monkeypatch.setattr(native, "_KERNEL", fresh_kernel("paged_attention_cpu"))
+    monkeypatch.setattr(native, "_PREFILL_KERNEL", fresh_kernel("prefill_attention_cpu"))
     monkeypatch.setenv("CXX", NO_CXX)
     caplog.set_level(logging.WARNING, logger="vgraph")
     b = make_batch(MIXED, 2, 4, 64, 16, torch.bfloat16, extra_rows=2)
@@ -544,15 +582,16 @@ def test_without_a_compiler_the_torch_route_serves_every_row_with_one_warning(
     for _ in range(3):
         assert_close_rel(paged_attention_cpu(*b.attention_args()), ref)
     assert_close_rel(torch.ops.vgraph.paged_attention(*b.attention_args()), ref)
-    assert routes.native == []
+    assert routes.native == routes.tiled == []
     assert {s[0] for s in routes.sdpa} == {s[0] for s in segment_tuples(b, True)
                                            | segment_tuples(b, False)}
     warnings = [r.getMessage() for r in caplog.records
                 if r.levelno == logging.WARNING and "falls back" in r.getMessage()
                 and "attention" in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "torch" in warnings[0] and "no C++ compiler" in warnings[0]
-    assert not native.enabled()
-    with pytest.raises(NativeBuildError, match="no C\\+\\+ compiler"):
-        native.attend_segments(b.q, b.k_cache, b.v_cache, b.block_table, [(0, 0, 1, 1)],
-                               b.scale, torch.zeros(b.q.shape))
+    assert len(warnings) == 2 and {w.split()[0] for w in warnings} == {"paged", "prefill"}, warnings
+    assert all("torch" in w and "no C++ compiler" in w for w in warnings)
+    assert not native.enabled() and not native.prefill_enabled()
+    for long_segments in (False, True):
+        with pytest.raises(NativeBuildError, match="no C\\+\\+ compiler"):
+            native.attend_segments(b.q, b.k_cache, b.v_cache, b.block_table, [(0, 0, 1, 1)],
+                                   b.scale, torch.zeros(b.q.shape), long_segments)
