@@ -57,7 +57,17 @@ constexpr int kBroadcasts = 6;  // keys (scores) or head-dim values (output) per
 constexpr int kKeyTile = 64;    // keys per softmax step
 constexpr int kTileRows = 64;   // query rows an item aims for (tokens x group heads)
 
-inline vfloat splat(float x) { return vfloat{} + x; }
+// x in every lane: one broadcast (`vfloat{} + x` would also add +0.0, an extra instruction
+// in the inner loops).
+inline vfloat splat(float x) {
+#if defined(__AVX512F__)
+  return _mm512_set1_ps(x);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm256_set1_ps(x);
+#else
+  return vfloat{x, x, x, x};
+#endif
+}
 
 inline vfloat load(const float* p) {
   vfloat v;
@@ -146,7 +156,10 @@ template <int N, template <int, int> class F, typename... Args>
 inline void over_rows(int rp, Args... args) {
   int r0 = 0;
   for (; r0 + kVecs * kLanes <= rp; r0 += kVecs * kLanes) F<N, kVecs>::run(args..., r0);
-  for (; r0 < rp; r0 += kLanes) F<N, 1>::run(args..., r0);
+  const int tail = (rp - r0) / kLanes;
+  if (kVecs > 3 && tail == 3) F<N, (kVecs > 3 ? 3 : 1)>::run(args..., r0);
+  else if (kVecs > 2 && tail == 2) F<N, (kVecs > 2 ? 2 : 1)>::run(args..., r0);
+  else if (tail > 0) for (; r0 < rp; r0 += kLanes) F<N, 1>::run(args..., r0);
 }
 
 template <int N, int C>
@@ -163,20 +176,115 @@ struct Values {
   }
 };
 
-// Scores of `count` keys, kBroadcasts at a time, the tail one key at a time.
-void scores(const float* const* keys, int count, const float* qt, int rp, int head_dim, float* st) {
-  int t = 0;
-  for (; t + kBroadcasts <= count; t += kBroadcasts) {
-    over_rows<kBroadcasts, Scores>(rp, keys + t, qt, rp, head_dim, st + static_cast<int64_t>(t) * rp);
+// Runs F<N, C> for a runtime N in [1, kBroadcasts] (the tail of a loop in steps of kBroadcasts,
+// which would run at a quarter of the speed one broadcast at a time).
+template <template <int, int> class F, typename... Args>
+inline void over_rows_n(int n, int rp, Args... args) {
+  switch (n) {
+    case 1: over_rows<1, F>(rp, args...); break;
+    case 2: over_rows<2, F>(rp, args...); break;
+    case 3: over_rows<3, F>(rp, args...); break;
+    case 4: over_rows<4, F>(rp, args...); break;
+    case 5: over_rows<5, F>(rp, args...); break;
+    default: over_rows<kBroadcasts, F>(rp, args...); break;
   }
-  for (; t < count; ++t) over_rows<1, Scores>(rp, keys + t, qt, rp, head_dim, st + static_cast<int64_t>(t) * rp);
+}
+
+// Scores of `count` keys, kBroadcasts at a time.
+void scores(const float* const* keys, int count, const float* qt, int rp, int head_dim, float* st) {
+  for (int t = 0; t < count; t += kBroadcasts) {
+    over_rows_n<Scores>(std::min(kBroadcasts, count - t), rp, keys + t, qt, rp, head_dim,
+                        st + static_cast<int64_t>(t) * rp);
+  }
 }
 
 // The output's update by `count` keys' weights, kBroadcasts head-dim values at a time.
 void accumulate(const float* const* values, int count, const float* st, int rp, int head_dim, float* ot) {
-  int d = 0;
-  for (; d + kBroadcasts <= head_dim; d += kBroadcasts) over_rows<kBroadcasts, Values>(rp, values, count, d, st, rp, ot);
-  for (; d < head_dim; ++d) over_rows<1, Values>(rp, values, count, d, st, rp, ot);
+  for (int d = 0; d < head_dim; d += kBroadcasts) {
+    over_rows_n<Values>(std::min(kBroadcasts, head_dim - d), rp, values, count, d, st, rp, ot);
+  }
+}
+
+#if defined(__AVX512F__)
+// The 16x16 block at m (rows `stride` apart) transposed in registers: v[i] = column i.
+inline void transpose16(__m512 v[16]) {
+  __m512 t[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]);
+  }
+  __m512 u[16];
+  for (int k = 0; k < 4; ++k) {
+    const __m512d t0 = _mm512_castps_pd(t[4 * k]), t1 = _mm512_castps_pd(t[4 * k + 1]);
+    const __m512d t2 = _mm512_castps_pd(t[4 * k + 2]), t3 = _mm512_castps_pd(t[4 * k + 3]);
+    u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+    u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+    u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+    u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  }
+  // u[4k + j], 128-bit lane L: column 4L + j of rows 4k..4k+3.
+  for (int j = 0; j < 4; ++j) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xdd);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xdd);
+    v[j] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    v[8 + j] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
+    v[4 + j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    v[12 + j] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
+  }
+}
+#endif
+
+// The queries and outputs move between their [token][head][d] rows and the item's transposed
+// [d][row] buffers. Done element by element that costs about as much as the arithmetic on a
+// short prompt, so with AVX-512 and head_dim a multiple of 16 it goes 16x16 blocks at a time.
+// `row_ptr(r)` is row r's head_dim floats.
+template <typename RowPtr>
+void pack_queries(RowPtr row_ptr, int rows, int rp, int head_dim, float scale, float* qt) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < rp; r0 += 16) {
+      for (int d0 = 0; d0 < head_dim; d0 += 16) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) {
+          v[i] = r0 + i < rows ? _mm512_mul_ps(_mm512_loadu_ps(row_ptr(r0 + i) + d0), factor) : _mm512_setzero_ps();
+        }
+        transpose16(v);
+        for (int i = 0; i < 16; ++i) _mm512_storeu_ps(qt + static_cast<int64_t>(d0 + i) * rp + r0, v[i]);
+      }
+    }
+    return;
+  }
+#endif
+  std::fill_n(qt, static_cast<int64_t>(rp) * head_dim, 0.f);  // padding lanes: zero queries
+  for (int r = 0; r < rows; ++r) {
+    const float* q = row_ptr(r);
+    for (int i = 0; i < head_dim; ++i) qt[static_cast<int64_t>(i) * rp + r] = q[i] * scale;
+  }
+}
+
+template <typename RowPtr>
+void unpack_outputs(const float* ot, const float* row_sum, int rows, int rp, int head_dim, RowPtr row_ptr) {
+#if defined(__AVX512F__)
+  if (head_dim % 16 == 0) {
+    for (int r0 = 0; r0 < rp; r0 += 16) {
+      for (int d0 = 0; d0 < head_dim; d0 += 16) {
+        __m512 v[16];
+        for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_ps(ot + static_cast<int64_t>(d0 + i) * rp + r0);
+        transpose16(v);
+        for (int i = 0; i < 16 && r0 + i < rows; ++i) {
+          _mm512_storeu_ps(row_ptr(r0 + i) + d0, _mm512_mul_ps(v[i], _mm512_set1_ps(1.f / row_sum[r0 + i])));
+        }
+      }
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < rows; ++r) {
+    float* out = row_ptr(r);
+    const float inv = 1.f / row_sum[r];
+    for (int i = 0; i < head_dim; ++i) out[i] = ot[static_cast<int64_t>(i) * rp + r] * inv;
+  }
 }
 
 // One item: query tokens [j0, j1) of a segment, with the query heads of one KV head.
@@ -268,11 +376,11 @@ int64_t attend(const PagedAttentionArgs& a, const Item& item, Scratch& s) {
   const int rows = static_cast<int>(item.j1 - item.j0) * group;
   const int rp = (rows + kLanes - 1) / kLanes * kLanes;
   s.fit(rp, d);
-  std::fill(s.qt.begin(), s.qt.end(), 0.f);  // padding lanes: zero queries, harmless scores
-  for (int r = 0; r < rows; ++r) {
-    const float* q = a.q + ((first_row + item.j0 + r / group) * a.q_heads + item.kv * group + r % group) * d;
-    for (int i = 0; i < d; ++i) s.qt[static_cast<size_t>(i) * rp + r] = q[i] * a.scale;
-  }
+  // Row r: token j0 + r / group, query head kv * group + r % group (padding lanes: zero
+  // queries, harmless finite scores, never written out).
+  const int64_t first = (first_row + item.j0) * a.q_heads + item.kv * group;
+  const auto head_row = [&](int r) { return (first + (r / group) * a.q_heads + r % group) * d; };
+  pack_queries([&](int r) { return a.q + head_row(r); }, rows, rp, d, a.scale, s.qt.data());
   std::fill(s.ot.begin(), s.ot.end(), 0.f);
   std::fill(s.row_max.begin(), s.row_max.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.row_sum.begin(), s.row_sum.end(), 0.f);
@@ -286,11 +394,8 @@ int64_t attend(const PagedAttentionArgs& a, const Item& item, Scratch& s) {
     softmax_step(s, count, rp, d);
     accumulate(s.values.data(), count, s.st.data(), rp, d, s.ot.data());
   }
-  for (int r = 0; r < rows; ++r) {
-    float* out = a.out + ((first_row + item.j0 + r / group) * a.q_heads + item.kv * group + r % group) * d;
-    const float inv = 1.f / s.row_sum[r];  // > 0: key 0 is never in a row's future
-    for (int i = 0; i < d; ++i) out[i] = s.ot[static_cast<size_t>(i) * rp + r] * inv;
-  }
+  // row_sum > 0: key 0 is never in a row's future.
+  unpack_outputs(s.ot.data(), s.row_sum.data(), rows, rp, d, [&](int r) { return a.out + head_row(r); });
   return 0;
 }
 
