@@ -1,6 +1,6 @@
-"""``python -m perf.decode_step_profile [--threads N] [--profile] [--root DIR]``: one decode step
-of the Qwen2.5-0.5B-shaped model (perf/suites/cpu_peers.py's checkpoint) at batch 64 with 192
-prompt tokens per sequence, timed step by step through the engine, and with ``--profile`` the
+"""``python -m perf.decode_step_profile [--model NAME] [--threads N] [--profile] [--root DIR]``:
+one decode step of a cpu-peers checkpoint (perf/suites/cpu_peers.py; the Qwen2.5-0.5B-shaped
+model unless ``--model llama-24m``) at batch 64 with 192 prompt tokens per sequence, timed step by step through the engine, and with ``--profile`` the
 torch.profiler split of 6 steps by op (self CPU ms per step): packed_linear (the projections),
 aten::mm (a tied lm_head on BLAS before it had a kernel), paged_attention, the compiled graphs
 (norms, RoPE, SiLU), the sampler's argmax.
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-CHECKPOINT = "qwen2-0.5b-shape"
+CHECKPOINTS = {"qwen2-0.5b-shape": 32000, "llama-24m": 512}  # name -> vocabulary size
 
 
 def _use_tree(root: str) -> None:
@@ -31,6 +31,7 @@ def _use_tree(root: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(CHECKPOINTS), default="qwen2-0.5b-shape")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", action="store_true")
@@ -45,19 +46,20 @@ def main() -> None:
     from perf.suites.offline import Requests, VgraphSystem
     from vgraph import SamplingParams
 
-    model = next(m for m in cpu_peers.MODELS if m.name == CHECKPOINT)
+    model = next(m for m in cpu_peers.MODELS if m.name == args.model)
     path = envs.ensure_checkpoint(model.name, model.build)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, 30000, (192,), generator=generator).tolist() for _ in range(64)]
+    vocab = CHECKPOINTS[args.model]
+    prompts = [torch.randint(10, vocab - 2, (192,), generator=generator).tolist() for _ in range(64)]
     system = VgraphSystem(path, "cpu", [Requests(prompts, [64] * 64)], compiled=True)
     engine = system.llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    prefill = []
-    while len(prefill) < 3 or max(prefill[-2:]) > 1.0:  # prefill steps take seconds, decode ones less
+    prefill, advanced = [], 0
+    while advanced < len(prompts):  # until a step advances every request: the last prefill chunk
         start = time.perf_counter()
-        engine.step()
+        advanced = len(engine.step().outputs)
         prefill.append(time.perf_counter() - start)
     steps = []
     for _ in range(args.steps):
@@ -66,7 +68,7 @@ def main() -> None:
         steps.append(time.perf_counter() - start)
     import vgraph
     print(f"vgraph from {vgraph.__file__}; {torch.get_num_threads()} threads; prefill "
-          f"{sum(prefill[:-2]):.2f} s in {len(prefill) - 2} steps; decode step median "
+          f"{sum(prefill):.2f} s in {len(prefill)} steps; decode step median "
           f"{statistics.median(steps) * 1e3:.1f} ms (min {min(steps) * 1e3:.1f}) over {len(steps)}")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
