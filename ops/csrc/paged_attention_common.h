@@ -4,6 +4,7 @@
 // table lookup).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -92,6 +93,23 @@ inline int64_t block_id(const PagedAttentionArgs& a, int64_t seq, int64_t index)
   const int64_t at = seq * a.block_table_stride + index;
   return a.block_table_is_int64 ? static_cast<const int64_t*>(a.block_table)[at]
                                 : static_cast<const int32_t*>(a.block_table)[at];
+}
+
+// Runs item(i) for i in [0, count) on up to `threads` OpenMP threads, dynamically scheduled.
+// Returns 0, or the smallest error an item returned (1 + a sequence index), so the sequence
+// named is the same whatever the thread count and order.
+template <typename Item>
+int64_t run_items(int64_t count, int threads, Item item) {
+  int64_t error = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t failed = item(i);
+    if (failed != 0) {
+#pragma omp critical(vgraph_attention_error)
+      error = error == 0 ? failed : std::min(error, failed);
+    }
+  }
+  return error;
 }
 
 }  // namespace vgraph_attention

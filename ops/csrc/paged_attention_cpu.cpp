@@ -414,19 +414,11 @@ int64_t vgraph_paged_attention(const PagedAttentionArgs* args) {
   }
   const int64_t per_chunk = (a.kv_heads + chunks - 1) / chunks;
   chunks = (a.kv_heads + per_chunk - 1) / per_chunk;
-  const int64_t items = a.num_segments * chunks;
-  int64_t error = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && items > 1)
-  for (int64_t item = 0; item < items; ++item) {
+  return run_items(a.num_segments * chunks, num_threads, [&](int64_t item) {
     const int begin = static_cast<int>((item % chunks) * per_chunk);
     const int end = static_cast<int>(std::min<int64_t>(a.kv_heads, begin + per_chunk));
-    const int64_t failed = attend(a, item / chunks, begin, end, tls_scratch);
-    if (failed != 0) {
-#pragma omp critical(vgraph_paged_attention_error)
-      error = error == 0 ? failed : std::min(error, failed);
-    }
-  }
-  return error;
+    return attend(a, item / chunks, begin, end, tls_scratch);
+  });
 }
 
 }  // extern "C"

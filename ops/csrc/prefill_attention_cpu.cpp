@@ -427,17 +427,8 @@ int64_t vgraph_prefill_attention_args_size() { return sizeof(PagedAttentionArgs)
 int64_t vgraph_prefill_attention(const PagedAttentionArgs* args) {
   const PagedAttentionArgs& a = *args;
   const std::vector<Item> items = plan_items(a);
-  const int64_t count = static_cast<int64_t>(items.size());
-  int64_t error = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a.num_threads) if (a.num_threads > 1 && count > 1)
-  for (int64_t i = 0; i < count; ++i) {
-    const int64_t failed = attend(a, items[i], tls_scratch);
-    if (failed != 0) {
-#pragma omp critical(vgraph_prefill_attention_error)
-      error = error == 0 ? failed : std::min(error, failed);
-    }
-  }
-  return error;
+  return run_items(static_cast<int64_t>(items.size()), a.num_threads,
+                   [&](int64_t i) { return attend(a, items[i], tls_scratch); });
 }
 
 }  // extern "C"
