@@ -187,6 +187,11 @@ class SchedulerConfig:
         return replace(self, max_num_batched_tokens=tokens)
 
 
+# Dynamo specializes a dynamic dim on sizes 0 and 1, so the compiled forward serves two rows
+# and more; the runner's batch builder pads one-token batches (vgraph/worker/dispatch.py).
+COMPILED_MIN_ROWS = 2
+
+
 @dataclass(frozen=True)
 class CompileConfig:
     """How the model is compiled, and which CUDA graphs replay it."""
@@ -247,6 +252,12 @@ class CompileConfig:
     @property
     def compiled(self) -> bool:
         return self.level is CompileLevel.COMPILED
+
+    @property
+    def min_forward_rows(self) -> int:
+        """The fewest rows a forward takes: the compiled one needs ``COMPILED_MIN_ROWS``.
+        Known here so the runner can plan its buckets without importing the compiler."""
+        return COMPILED_MIN_ROWS if self.compiled else 1
 
     def resolved_custom_ops(self, device_type: str, quantized: bool) -> bool:
         """``custom_ops`` when set; unset, off only for a compiled, unquantized model on CPU.

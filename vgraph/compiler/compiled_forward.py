@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import COMPILED_MIN_ROWS
 from .backend import VgraphBackend
 
 logger = logging.getLogger("vgraph")
@@ -32,9 +33,7 @@ logger = logging.getLogger("vgraph")
 # one cache entry per trace; these limits allow that many engines (tests, benchmarks).
 _ENGINES_PER_PROCESS = 64
 
-# Dynamo specializes a dynamic dim on sizes 0 and 1, so the compiled forward serves two rows
-# and more; the runner's batch builder pads one-token batches (vgraph/worker/dispatch.py).
-MIN_TOKENS = 2
+MIN_TOKENS = COMPILED_MIN_ROWS  # config.py says why
 
 
 class CompiledForward:

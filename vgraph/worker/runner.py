@@ -77,7 +77,7 @@ class ModelRunner:
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
         self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
-        min_tokens = _min_tokens(config)
+        min_tokens = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
                                 config.scheduler.max_num_batched_tokens, min_tokens)
         profile = self._profile_memory()
@@ -254,9 +254,3 @@ def _compile_source(counters: Optional[CompileCounters]) -> str:
     return "compiled"
 
 
-def _min_tokens(config: EngineConfig) -> int:
-    """The fewest rows a forward takes: the compiled one needs two (compiled_forward.py)."""
-    if not config.compile.compiled:
-        return 1
-    from ..compiler.compiled_forward import MIN_TOKENS
-    return MIN_TOKENS
