@@ -52,7 +52,7 @@ _COMPILED = re.compile(
     r"Inductor ([\d.]+) s \((\d+) compilations\), cache (\d+) loads \(([\d.]+) s\), (\d+) saves")
 _LOADED_CAPTURED = re.compile(
     r"loaded the compiled model from the cache in ([\d.]+) s \((\d+) pieces, (\d+) compiled, (\d+) distinct\): "
-    r"captured graph and (\d+) artifacts in ([\d.]+) s")
+    r"captured graph and (\d+) (artifacts|runnables) in ([\d.]+) s")
 _READY = re.compile(r"engine ready in ([\d.]+) s")
 _CONFIG_TOKENIZER = re.compile(r"startup: .*config \+ tokenizer ([\d.]+) s")
 _MATCHES = re.compile(r"pass matches: (.*)$")
@@ -102,11 +102,11 @@ def parse_phases(lines: list[tuple[float, str]], exit_s: float) -> dict:
             out["compiled_at_s"] = at
         elif (m := _LOADED_CAPTURED.search(text)):
             # A warm start with the captured graph: no Dynamo, no Inductor; the load is the phase.
-            compile_s, pieces, compiled, distinct, loads, load_s = m.groups()
+            compile_s, pieces, compiled, distinct, loads, kind, load_s = m.groups()
             out.update({"compile_s": float(compile_s), "pieces": int(pieces), "compiled_pieces": int(compiled),
                         "distinct": int(distinct), "dynamo_s": 0.0, "inductor_s": 0.0, "inductor_compilations": 0,
                         "cache_loads": int(loads), "cache_load_s": float(load_s), "cache_saves": 0,
-                        "captured_graph_loaded": True, "compiled_at_s": at})
+                        "captured_graph_loaded": True, "runnables": kind == "runnables", "compiled_at_s": at})
         elif (m := _MATCHES.search(text)):
             out["pass_matches"] = m.group(1)
         elif (m := _CONFIG_TOKENIZER.search(text)):

@@ -41,9 +41,11 @@ def cold(tmp_path_factory):
 
 
 def _warm_from_copy(cold, tmp_path, monkeypatch):
-    """A cache dir copied from the cold one (each test may damage its own copy)."""
+    """A cache dir copied from the cold one (each test may damage its own copy), without the
+    fast path's index: these tests are about loading through Inductor (see test_runnable.py)."""
     root = tmp_path / "cache"
     shutil.copytree(cold["root"], root)
+    shutil.rmtree(root / "warm", ignore_errors=True)
     monkeypatch.setenv("VGRAPH_CACHE_DIR", str(root))
     return root
 

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from ..config import CompileConfig
 from . import captured_graph as captured
+from . import warm_start
 from .cache import CompileCache
 from .counters import CompileCounters
 from .piece import PieceRunner, TokenDim, find_token_dim
@@ -227,6 +228,31 @@ class VgraphBackend:
             return
         settings = self.warm_settings or WarmLoadSettings(self.cache.root)
         settings.remember()
+
+    def save_runnables(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                       reference: torch.Tensor) -> None:
+        """After the first forward through Inductor's artifacts worked: each piece saved as a
+        runnable and the warm index written, so the next start takes the fast path
+        (warm_start.py), if the forward built from runnables gives ``reference`` bit for bit.
+        Best effort: without them the next start loads through Inductor, as this one did."""
+        cache = self.cache
+        if cache.warm_key is None or not cache.writable or reference.device.type != "cpu":
+            return
+        fingerprint = self._source_fingerprint(model)
+        path = cache.record_path(fingerprint)
+        record = captured.load_record(path) if path is not None else None
+        if record is None:
+            return
+        matches = {**cache.loaded_matches, **self._graph_matches}
+        try:
+            why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
+                                            lambda direct: direct(input_ids, positions), reference)
+        except Exception as exc:  # never costs the start: the next one loads through Inductor
+            why = f"{type(exc).__name__}: {exc}"
+        if why:
+            logger.info("no runnables for the fast warm start (%s); warm starts load through Inductor", why)
+            return
+        warm_start.write_index(cache.root, cache.warm_key, cache.config_key, fingerprint)
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:
         """Read once per start: the warm lookup and the cold save both need it."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -14,10 +13,11 @@ from ..distributed.state import tp_group
 from ..paths import cache_dir
 from .backend import VgraphBackend
 from .cache import CompileCache, stable_hash
-from .cache_key import (RANK, WORLD_SIZE, identity_problems, is_user_pass, key_fields, key_summary,
+from .cache_key import (RANK, WORLD_SIZE, identity_problems, is_user_pass, key_fields, key_summary, model_layout,
                         named_passes, pass_uuids, short_uuid)
 from .compiled_forward import CompiledForward
 from .counters import CompileCounters
+from .warm_start import warm_key
 
 logger = logging.getLogger("vgraph")
 
@@ -32,15 +32,6 @@ def build_pass_manager(config: EngineConfig) -> Optional[Any]:
                          all_reduce=config.compile.enable_allreduce_fusion)
     passes = arrange(own if config.compile.enable_fusion else [], config.compile.passes)
     return PassManager(passes, dump_dir=config.compile.dump_graphs_dir)
-
-
-def model_layout(model: torch.nn.Module) -> dict[str, int]:
-    """How many modules of each kind the model was built with. Loading can swap modules
-    (packed linears on CPU unless ``VGRAPH_CPU_LINEAR=torch`` or the C++ kernel is missing,
-    fp8 linears) or give them other inputs (a packed linear keeping its unpacked weight for
-    BLAS prefill): the same config.json then traces another graph over other weights. A
-    module names its variant with ``layout_name``, else its class name counts."""
-    return dict(sorted(Counter(getattr(m, "layout_name", type(m).__name__) for m in model.modules()).items()))
 
 
 def linear_packing(model: torch.nn.Module) -> str:
@@ -86,7 +77,8 @@ def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_conf
     key = stable_hash(fields)
     description = {**entry_description(model, config, hf_config, manager, device),
                    "key": key_summary(fields, pass_uuids(manager))}
-    cache = CompileCache(cache_dir() if compile_config.use_cache else None, key, description)
+    cache = CompileCache(cache_dir() if compile_config.use_cache else None, key, description,
+                         warm_key(config, hf_config, model, device))
     _log_key(key, manager, compile_config.use_cache)
     counters = CompileCounters()
     backend = VgraphBackend(compile_config, manager, cache, counters)
@@ -114,26 +106,3 @@ def _log_key(key: str, manager: Optional[Any], use_cache: bool) -> None:
              if is_user_pass(p)]
     logger.info("compile cache key %s%s%s", key, "" if use_cache else " (cache not used)",
                 f"; user passes: {', '.join(users)}" if users else "")
-
-
-def log_compile_summary(counters: CompileCounters, cache: CompileCache, seconds: float) -> None:
-    c = counters
-    if c.captured_graph == "loaded":
-        logger.info("loaded the compiled model from the cache in %.2f s (%d pieces, %d compiled, %d distinct): "
-                    "captured graph and %d artifacts in %.2f s, no Dynamo trace, no Inductor compilation",
-                    seconds, c.pieces, c.compiled_pieces, c.unique_piece_graphs, c.cache_loads,
-                    c.captured_load_seconds)
-    else:
-        logger.info("compiled %d pieces (%d compiled, %d distinct) in %.2f s: Dynamo %.2f s, "
-                    "Inductor %.2f s (%d compilations), cache %d loads (%.2f s), %d saves",
-                    c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
-                    c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
-                    c.cache_saves)
-    if c.compiled_collectives:
-        logger.info("%d collectives (tensor parallelism) compiled inside the pieces", c.compiled_collectives)
-    if c.pass_matches:
-        logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
-    if cache.writable:
-        logger.info("compile cache: %s", cache.folder)
-    elif cache.root is not None:
-        logger.info("compile cache: none this run (compiled in memory; see the warning above)")

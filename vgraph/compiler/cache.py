@@ -123,13 +123,17 @@ class CompileCache:
     """Saves and loads Inductor ``CompiledArtifact``s for one config key.
 
     ``description`` (model, architecture, dtype, quantization, passes, ...) goes into a new
-    entry's meta.json, for ``vgraph cache list`` and ``clear --model``.
+    entry's meta.json, for ``vgraph cache list`` and ``clear --model``. ``warm_key``: the key
+    the warm start's fast path finds this configuration by (warm_start.py), None where it has
+    no fast path.
     """
 
-    def __init__(self, root: Optional[Path], config_key: str, description: Optional[dict] = None) -> None:
+    def __init__(self, root: Optional[Path], config_key: str, description: Optional[dict] = None,
+                 warm_key: Optional[str] = None) -> None:
         self.root = root
         self.config_key = config_key
         self.description = dict(description or {})
+        self.warm_key = warm_key
         self.folder: Optional[Path] = None
         self.graph_hash: Optional[str] = None
         self._writable = root is not None
@@ -250,6 +254,11 @@ class CompileCache:
         if not self.ensure_folder():
             return None
         return self.folder / f"captured-{source_fingerprint}.pkl"
+
+    def record_path(self, source_fingerprint: str) -> Optional[Path]:
+        """The bound entry's captured record for this source, if it is on disk."""
+        path = self.folder / f"captured-{source_fingerprint}.pkl" if self.folder is not None else None
+        return path if path is not None and path.is_file() else None
 
     def find_captured(self, source_fingerprint: str) -> Optional[Path]:
         """A warm start's captured record for this config and source, binding its graph folder

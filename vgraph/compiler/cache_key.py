@@ -13,6 +13,7 @@ key, so the compile runs without the cache; ``identity_problems`` says which and
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -84,3 +85,12 @@ def is_user_pass(p: Any) -> bool:
     owner = getattr(p, "fn", p)
     module = getattr(owner, "__module__", None) or type(owner).__module__
     return not (module == "vgraph" or module.startswith("vgraph."))
+
+
+def model_layout(model: torch.nn.Module) -> dict[str, int]:
+    """How many modules of each kind the model was built with. Loading can swap modules
+    (packed linears on CPU unless ``VGRAPH_CPU_LINEAR=torch`` or the C++ kernel is missing,
+    fp8 linears) or give them other inputs (a packed linear keeping its unpacked weight for
+    BLAS prefill): the same config.json then traces another graph over other weights. A
+    module names its variant with ``layout_name``, else its class name counts."""
+    return dict(sorted(Counter(getattr(m, "layout_name", type(m).__name__) for m in model.modules()).items()))

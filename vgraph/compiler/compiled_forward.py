@@ -24,16 +24,16 @@ from typing import Callable, Optional
 
 import torch
 
-from ..config import COMPILED_MIN_ROWS
 from .backend import VgraphBackend
+from .cache import CompileCache
+from .counters import CompileCounters
+from .warm_start import check_rows
 
 logger = logging.getLogger("vgraph")
 
 # Every engine in a process traces the same ``forward`` code object once, and Dynamo keeps
 # one cache entry per trace; these limits allow that many engines (tests, benchmarks).
 _ENGINES_PER_PROCESS = 64
-
-MIN_TOKENS = COMPILED_MIN_ROWS  # config.py says why
 
 
 class CompiledForward:
@@ -54,10 +54,16 @@ class CompiledForward:
         self.traced = False
         self._direct: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
+    @property
+    def counters(self) -> CompileCounters:
+        return self.backend.counters
+
+    @property
+    def cache(self) -> CompileCache:
+        return self.backend.cache
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if input_ids.shape[0] < MIN_TOKENS:
-            raise ValueError(f"the compiled forward takes at least {MIN_TOKENS} rows, got "
-                             f"{input_ids.shape[0]}: pad the batch (the runner's batch builder does)")
+        check_rows(input_ids)
         if self._direct is not None:
             return self._direct(input_ids, positions)
         if not self.traced:
@@ -82,6 +88,8 @@ class CompiledForward:
                 if out is None:
                     out = self._compile_first(input_ids, positions)
         self.backend.remember_warm_load()
+        if self._direct is not None:
+            self.backend.save_runnables(self.model, input_ids, positions, out)
         return out
 
     def _compile_first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

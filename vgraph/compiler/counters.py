@@ -1,7 +1,11 @@
 """Counters the compiler keeps, readable from Python (tests, logs, `vgraph compile`)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+logger = logging.getLogger("vgraph")
 
 
 @dataclass
@@ -22,6 +26,8 @@ class CompileCounters:
     cache_load_seconds: float = 0.0
     captured_graph: str = ""  # "saved" (cold start) or "loaded" (warm start: no Dynamo ran)
     captured_load_seconds: float = 0.0  # the warm start's whole graph + artifact load
+    # Pieces a warm start ran as runnables (runnable.py): then Inductor was not even imported.
+    runnable_loads: int = 0
     pass_matches: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -30,3 +36,31 @@ class CompileCounters:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "recompiles": self.recompiles}
+
+
+def log_compile_summary(counters: CompileCounters, cache: Any, seconds: float) -> None:
+    c = counters
+    if c.captured_graph == "loaded" and c.runnable_loads:
+        logger.info("loaded the compiled model from the cache in %.2f s (%d pieces, %d compiled, %d distinct): "
+                    "captured graph and %d runnables in %.2f s, Dynamo and Inductor not imported",
+                    seconds, c.pieces, c.compiled_pieces, c.unique_piece_graphs, c.runnable_loads,
+                    c.captured_load_seconds)
+    elif c.captured_graph == "loaded":
+        logger.info("loaded the compiled model from the cache in %.2f s (%d pieces, %d compiled, %d distinct): "
+                    "captured graph and %d artifacts in %.2f s, no Dynamo trace, no Inductor compilation",
+                    seconds, c.pieces, c.compiled_pieces, c.unique_piece_graphs, c.cache_loads,
+                    c.captured_load_seconds)
+    else:
+        logger.info("compiled %d pieces (%d compiled, %d distinct) in %.2f s: Dynamo %.2f s, "
+                    "Inductor %.2f s (%d compilations), cache %d loads (%.2f s), %d saves",
+                    c.pieces, c.compiled_pieces, c.unique_piece_graphs, seconds, c.dynamo_seconds,
+                    c.inductor_seconds, c.inductor_compilations, c.cache_loads, c.cache_load_seconds,
+                    c.cache_saves)
+    if c.compiled_collectives:
+        logger.info("%d collectives (tensor parallelism) compiled inside the pieces", c.compiled_collectives)
+    if c.pass_matches:
+        logger.info("pass matches: %s", ", ".join(f"{k}={v}" for k, v in c.pass_matches.items()))
+    if cache.writable:
+        logger.info("compile cache: %s", cache.folder)
+    elif cache.root is not None:
+        logger.info("compile cache: none this run (compiled in memory; see the warning above)")

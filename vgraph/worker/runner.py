@@ -88,14 +88,17 @@ class ModelRunner:
                                                   self.device)
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device)
         t2 = time.perf_counter()
-        forward, self.compile_counters, self.compile_cache = self._compiled_forward()
+        forward = self._compiled_forward()
         self.graphs = GraphRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
                                   config.compile.cudagraph_mode, buckets, min_tokens,
                                   weights=[*m.parameters(), *m.buffers()])
         self._warm_up()
         t3 = time.perf_counter()
+        # Read after the warm-up: a warm forward that failed there has been replaced.
+        self.compile_counters: Optional[CompileCounters] = getattr(forward, "counters", None)
+        self.compile_cache: Optional["CompileCache"] = getattr(forward, "cache", None)
         if self.compile_counters is not None:
-            from ..compiler.build import log_compile_summary
+            from ..compiler.counters import log_compile_summary
             log_compile_summary(self.compile_counters, self.compile_cache, t3 - t2)
         capture = replace(self._capture(), estimated_bytes=reserve)
         if 0 < reserve < capture.memory_bytes:  # 0: KV size given, nothing reserved
@@ -163,14 +166,19 @@ class ModelRunner:
                     blocks * self.spec.bytes_per_block / 2**30, max_model_len, tokens / max_model_len)
         return blocks
 
-    def _compiled_forward(self) -> tuple[Forward, Optional[CompileCounters], Optional["CompileCache"]]:
-        """The compiled forward (traced or loaded at its first call: the warm-up), or the
-        eager module. The compiler is imported here: it brings Inductor and Dynamo (~1.5 s),
-        which an eager engine never uses."""
+    def _compiled_forward(self) -> Forward:
+        """The compiled forward (loaded from runnables, or traced or loaded at its first call:
+        the warm-up), or the eager module. The fast path (compiler/warm_start.py) imports
+        neither Dynamo nor Inductor; the full compiler brings both (~2.5 s), which an eager
+        engine never uses."""
         if not self.config.compile.compiled:
-            return self.model, None, None
+            return self.model
+        from ..compiler.warm_start import load_warm_forward
+        warm = load_warm_forward(self.model, self.config, self.hf_config, self.device)
+        if warm is not None:
+            return warm
         from ..compiler.build import build_compiled_forward
-        return build_compiled_forward(self.model, self.config, self.hf_config, self.device)
+        return build_compiled_forward(self.model, self.config, self.hf_config, self.device)[0]
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
