@@ -306,10 +306,20 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
     print(f"cache loads:    {c.cache_loads} in {c.cache_load_seconds:.2f} s; saves: {c.cache_saves}")
     print(f"captured graph: {_captured_status(c.captured_graph)}")
+    print(f"runnables:      {_runnable_status(c)}")
     print("pass matches:   " + (", ".join(f"{k}={v}" for k, v in c.pass_matches.items()) or "none"))
     print(f"cache folder:   {', '.join(map(str, folders))}")
     print(f"total:          {time.perf_counter() - start:.2f} s")
     return 0
+
+
+def _runnable_status(c: Any) -> str:
+    """The warm start's fast path (compiler/warm_start.py): pieces run without Inductor."""
+    if c.runnable_loads:
+        return f"{c.runnable_loads} loaded (Dynamo and Inductor not imported)"
+    if c.runnable_saves:
+        return f"{c.runnable_saves} saved (warm starts import neither Dynamo nor Inductor)"
+    return "none (warm starts load the pieces through Inductor)"
 
 
 def _captured_status(state: str) -> str:

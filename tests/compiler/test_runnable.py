@@ -58,7 +58,7 @@ def _copy(cold, tmp_path, monkeypatch) -> Path:
 def test_cold_start_saves_checked_runnables_and_the_warm_index(cold):
     root = cold["root"]
     runs = list(root.glob("compile/*/*-dynamic.run"))
-    assert len(runs) == cold["counters"].unique_piece_graphs
+    assert len(runs) == cold["counters"].unique_piece_graphs == cold["counters"].runnable_saves
     assert list(root.glob("compile/*/kernels/*.so")), "the kernel libraries live in the entry"
     index = json.loads(next(root.glob("warm/*.json")).read_text())
     assert next(root.glob("compile/*")).name.startswith(index["config_key"])

@@ -245,13 +245,14 @@ class VgraphBackend:
             return
         matches = {**cache.loaded_matches, **self._graph_matches}
         try:
-            why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
-                                            lambda direct: direct(input_ids, positions), reference)
+            saved, why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
+                                                   lambda direct: direct(input_ids, positions), reference)
         except Exception as exc:  # never costs the start: the next one loads through Inductor
-            why = f"{type(exc).__name__}: {exc}"
+            saved, why = 0, f"{type(exc).__name__}: {exc}"
         if why:
             logger.info("no runnables for the fast warm start (%s); warm starts load through Inductor", why)
             return
+        self.counters.runnable_saves = saved
         warm_start.write_index(cache.root, cache.warm_key, cache.config_key, fingerprint)
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:

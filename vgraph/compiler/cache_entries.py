@@ -23,6 +23,7 @@ from typing import Any, Optional
 logger = logging.getLogger("vgraph")
 
 META_FILE = "meta.json"
+WARM_INDEX_FOLDER = "warm"  # the warm start's fast-path index (compiler/warm_start.py)
 TEMP_PREFIX = ".tmp-"  # half-written files of a running (or killed) writer; never read
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -203,7 +204,8 @@ def list_entries(root: Path) -> list[CacheEntry]:
 def _entry(folder: Path) -> CacheEntry:
     files = []
     try:
-        files = [f for f in folder.iterdir() if f.is_file() and not f.name.startswith(TEMP_PREFIX)]
+        # rglob: the runnables' kernel libraries live in the entry's kernels/ folder
+        files = [f for f in folder.rglob("*") if f.is_file() and not f.name.startswith(TEMP_PREFIX)]
     except OSError:
         pass
     artifacts = sum(1 for f in files if f.suffix == ".bin")
@@ -332,7 +334,8 @@ def _remove_strays(root: Path, now: Optional[float]) -> None:
     cutoff = (time.time() if now is None else now) - STRAY_TEMP_SECONDS
     keys = {_config_key(e.name) for e in list_entries(root)}
     try:
-        temps = [p for p in base.glob(f"*/{TEMP_PREFIX}*") if p.stat().st_mtime < cutoff]
+        temps = [p for pattern in (f"*/{TEMP_PREFIX}*", f"*/*/{TEMP_PREFIX}*") for p in base.glob(pattern)
+                 if p.stat().st_mtime < cutoff]
         locks = [p for p in base.glob(f"*{LOCK_SUFFIX}")
                  if p.name[:-len(LOCK_SUFFIX)] not in keys and not is_held(p)]
     except OSError:
@@ -342,12 +345,12 @@ def _remove_strays(root: Path, now: Optional[float]) -> None:
 
 
 def clear_all(root: Path) -> int:
-    """Removes ``<root>/compile`` whole (stray temporary files included); returns the number
-    of entries it held."""
+    """Removes ``<root>/compile`` whole (stray temporary files included) and the warm start's
+    index into it; returns the number of entries it held."""
     count = len(list_entries(root))
-    base = root / "compile"
-    if base.is_dir():
-        shutil.rmtree(base)
+    for folder in (root / "compile", root / WARM_INDEX_FOLDER):
+        if folder.is_dir():
+            shutil.rmtree(folder)
     return count
 
 

@@ -28,6 +28,7 @@ class CompileCounters:
     captured_load_seconds: float = 0.0  # the warm start's whole graph + artifact load
     # Pieces a warm start ran as runnables (runnable.py): then Inductor was not even imported.
     runnable_loads: int = 0
+    runnable_saves: int = 0  # pieces saved as runnables after the forward built from them matched
     pass_matches: dict[str, int] = field(default_factory=dict)
 
     @property

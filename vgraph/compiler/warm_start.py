@@ -33,13 +33,11 @@ from ..paths import cache_dir
 from . import captured_graph as captured
 from . import runnable as runnables
 from .cache import CompileCache, stable_hash
-from .cache_entries import write_json_atomic
+from .cache_entries import WARM_INDEX_FOLDER, write_json_atomic
 from .cache_key import key_fields, model_layout
 from .counters import CompileCounters
 
 logger = logging.getLogger("vgraph")
-
-INDEX_FOLDER = "warm"
 
 
 def check_rows(input_ids: torch.Tensor) -> None:
@@ -83,7 +81,7 @@ def _pass_package_digest() -> Optional[str]:
 
 
 def index_path(root: Path, key: str) -> Path:
-    return root / INDEX_FOLDER / f"{key}.json"
+    return root / WARM_INDEX_FOLDER / f"{key}.json"
 
 
 def write_index(root: Path, key: str, config_key: str, fingerprint: str) -> None:
@@ -109,28 +107,28 @@ def _read_index(root: Path, key: str) -> Optional[dict]:
 
 def save_runnables(record: dict, artifacts: dict[tuple[str, str], Any], matches: dict[str, dict[str, int]],
                    folder: Path, model: torch.nn.Module, run: Callable[[Callable], torch.Tensor],
-                   reference: torch.Tensor) -> str:
+                   reference: torch.Tensor) -> tuple[int, str]:
     """Makes each piece of ``record`` (a captured-graph record, freshly read) a runnable from
     its artifact in ``artifacts``, runs the forward built from them through ``run`` and saves
-    them only if it gives ``reference`` bit for bit; '' or why none were saved."""
+    them only if it gives ``reference`` bit for bit: how many were saved, and why none were."""
     if any(r.sizes for r in record["pieces"].values()):
-        return "the graph has static compile sizes"
+        return 0, "the graph has static compile sizes"
     made = {}
     for piece_hash in sorted({r.piece_hash for r in record["pieces"].values()}):
         artifact = artifacts.get((piece_hash, "dynamic"))
         parts, why = runnables.make_runnable(artifact) if artifact is not None else (None, "not in memory")
         if parts is None:
-            return f"piece {piece_hash}: {why}"
+            return 0, f"piece {piece_hash}: {why}"
         staged = runnables.stage_libraries(folder, parts)
         made[piece_hash] = (parts, staged, runnables.build_runnable(parts.source, staged, parts.extern,
                                                                      f"{piece_hash}-dynamic"))
     split = record["split"]
     captured.install_pieces(split, record["pieces"], lambda piece_hash, size: made[piece_hash][2])
     if not torch.equal(run(captured.DirectForward(split, record["sources"], model)), reference):
-        return "the forward built from them differs from Inductor's"
+        return 0, "the forward built from them differs from Inductor's"
     for piece_hash, (parts, staged, _) in made.items():
         runnables.save_runnable(folder, piece_hash, "dynamic", parts, staged, matches.get(piece_hash, {}))
-    return ""
+    return len(made), ""
 
 
 # ---------------------------------------------------------------------------- loading (the fast path)
