@@ -27,7 +27,7 @@ from vgraph.compiler import cache_entries
 GENERATE = ["generate", "--prompt", "Hello", "--max-tokens", "6", "--ignore-eos", "--device", "cpu",
             "--kv-cache-gib", "0.01"]
 FAST = [*GENERATE, "--no-fusion"]
-WARM = "no Dynamo trace, no Inductor compilation"
+WARM = "loaded the compiled model from the cache in"  # through Inductor or as runnables
 
 
 def _env(root: Path, **extra: str) -> dict:
