@@ -45,7 +45,14 @@ def cold(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VGRAPH_CACHE_DIR", str(root))
         llm = _engine()
-        return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root}
+        return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root,
+                "pieces": _piece_callables(llm)}
+
+
+def _piece_callables(llm: LLM) -> list:
+    """What each compiled piece of the engine's forward calls (its dynamic-size code)."""
+    split = llm.engine.runner.graphs.forward_fn._direct.split
+    return [m.dynamic for m in split.children() if hasattr(m, "dynamic")]
 
 
 def _copy(cold, tmp_path, monkeypatch) -> Path:
@@ -62,6 +69,8 @@ def test_cold_start_saves_checked_runnables_and_the_warm_index(cold):
     assert list(root.glob("compile/*/kernels/*.so")), "the kernel libraries live in the entry"
     index = json.loads(next(root.glob("warm/*.json")).read_text())
     assert next(root.glob("compile/*")).name.startswith(index["config_key"])
+    assert cold["pieces"] and all(isinstance(p, runnables.Runnable) for p in cold["pieces"]), \
+        "the cold start serves with the code warm starts will run"
 
 
 def test_warm_start_imports_neither_inductor_nor_dynamo_and_gives_the_same_tokens(cold, tmp_path):

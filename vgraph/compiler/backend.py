@@ -230,30 +230,32 @@ class VgraphBackend:
         settings.remember()
 
     def save_runnables(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                       reference: torch.Tensor) -> None:
+                       reference: torch.Tensor) -> Optional[captured.DirectForward]:
         """After the first forward through Inductor's artifacts worked: each piece saved as a
         runnable and the warm index written, so the next start takes the fast path
         (warm_start.py), if the forward built from runnables gives ``reference`` bit for bit.
-        Best effort: without them the next start loads through Inductor, as this one did."""
+        Returns that forward, for this start to serve with the code later starts will run;
+        None (an info line) when there are none: the next start loads through Inductor too."""
         cache = self.cache
         if cache.warm_key is None or not cache.writable or reference.device.type != "cpu":
-            return
+            return None
         fingerprint = self._source_fingerprint(model)
         path = cache.record_path(fingerprint)
         record = captured.load_record(path) if path is not None else None
         if record is None:
-            return
+            return None
         matches = {**cache.loaded_matches, **self._graph_matches}
         try:
-            saved, why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
-                                                   lambda direct: direct(input_ids, positions), reference)
+            direct, saved, why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
+                                                           lambda forward: forward(input_ids, positions), reference)
         except Exception as exc:  # never costs the start: the next one loads through Inductor
-            saved, why = 0, f"{type(exc).__name__}: {exc}"
-        if why:
+            direct, saved, why = None, 0, f"{type(exc).__name__}: {exc}"
+        if direct is None:
             logger.info("no runnables for the fast warm start (%s); warm starts load through Inductor", why)
-            return
+            return None
         self.counters.runnable_saves = saved
         warm_start.write_index(cache.root, cache.warm_key, cache.config_key, fingerprint)
+        return direct
 
     def _source_fingerprint(self, model: torch.nn.Module) -> str:
         """Read once per start: the warm lookup and the cold save both need it."""

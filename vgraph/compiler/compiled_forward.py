@@ -91,7 +91,8 @@ class CompiledForward:
                     out = self._compile_first(input_ids, positions)
         self.backend.remember_warm_load()
         if self._direct is not None:
-            self.backend.save_runnables(self.model, input_ids, positions, out)
+            # Serve with the code the next warm start will run (checked equal to this output).
+            self._direct = self.backend.save_runnables(self.model, input_ids, positions, out) or self._direct
         return out
 
     def _compile_first(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -107,28 +107,30 @@ def _read_index(root: Path, key: str) -> Optional[dict]:
 
 def save_runnables(record: dict, artifacts: dict[tuple[str, str], Any], matches: dict[str, dict[str, int]],
                    folder: Path, model: torch.nn.Module, run: Callable[[Callable], torch.Tensor],
-                   reference: torch.Tensor) -> tuple[int, str]:
+                   reference: torch.Tensor) -> tuple[Optional[captured.DirectForward], int, str]:
     """Makes each piece of ``record`` (a captured-graph record, freshly read) a runnable from
     its artifact in ``artifacts``, runs the forward built from them through ``run`` and saves
-    them only if it gives ``reference`` bit for bit: how many were saved, and why none were."""
+    them only if it gives ``reference`` bit for bit. Returns that forward (None if not saved),
+    how many pieces were saved, and why none were."""
     if any(r.sizes for r in record["pieces"].values()):
-        return 0, "the graph has static compile sizes"
+        return None, 0, "the graph has static compile sizes"
     made = {}
     for piece_hash in sorted({r.piece_hash for r in record["pieces"].values()}):
         artifact = artifacts.get((piece_hash, "dynamic"))
         parts, why = runnables.make_runnable(artifact) if artifact is not None else (None, "not in memory")
         if parts is None:
-            return 0, f"piece {piece_hash}: {why}"
+            return None, 0, f"piece {piece_hash}: {why}"
         staged = runnables.stage_libraries(folder, parts)
         made[piece_hash] = (parts, staged, runnables.build_runnable(parts.source, staged, parts.extern,
                                                                      f"{piece_hash}-dynamic"))
     split = record["split"]
     captured.install_pieces(split, record["pieces"], lambda piece_hash, size: made[piece_hash][2])
-    if not torch.equal(run(captured.DirectForward(split, record["sources"], model)), reference):
-        return 0, "the forward built from them differs from Inductor's"
+    direct = captured.DirectForward(split, record["sources"], model)
+    if not torch.equal(run(direct), reference):
+        return None, 0, "the forward built from them differs from Inductor's"
     for piece_hash, (parts, staged, _) in made.items():
         runnables.save_runnable(folder, piece_hash, "dynamic", parts, staged, matches.get(piece_hash, {}))
-    return len(made), ""
+    return direct, len(made), ""
 
 
 # ---------------------------------------------------------------------------- loading (the fast path)
