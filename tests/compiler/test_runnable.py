@@ -214,7 +214,11 @@ def test_runnable_file_checks(tmp_path):
     path = runnables.runnable_path(tmp_path, "abc", "dynamic")
     with pytest.raises(ValueError, match="made for"):
         runnables.read_runnable(path, "other", "dynamic")
-    path.write_bytes(path.read_bytes()[:-3])
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-3])
+    with pytest.raises(ValueError, match="truncated"):
+        runnables.read_runnable(path, "abc", "dynamic")
+    path.write_bytes(whole[:-3] + b"xyz")
     with pytest.raises(ValueError, match="damaged"):
         runnables.read_runnable(path, "abc", "dynamic")
     path.write_bytes(b"something else")

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import platform
-import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -38,7 +37,6 @@ logger = logging.getLogger("vgraph")
 
 ARTIFACT_MAGIC = b"vgraph-artifact\n"
 ARTIFACT_FORMAT = 2  # 2: the header holds the payload's sha256 and length
-_HEADER_LENGTH = struct.Struct(">I")
 
 
 def stable_hash(payload: Any, length: int = 16) -> str:
@@ -76,10 +74,8 @@ def pack_artifact(tag: ArtifactTag, inductor_bytes: bytes,
     """The tagged file: ``pass_matches`` (the passes' matches on this piece's graph, from the
     compile that made it) travel in the header, so a warm start that runs no pass still
     reports them, and no other file can be lost or race for them."""
-    header = json.dumps({"format": ARTIFACT_FORMAT, **asdict(tag), "bytes": len(inductor_bytes),
-                         "sha256": hashlib.sha256(inductor_bytes).hexdigest(),
-                         "pass_matches": pass_matches or {}}, sort_keys=True).encode()
-    return ARTIFACT_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + inductor_bytes
+    header = {"format": ARTIFACT_FORMAT, **asdict(tag), "pass_matches": pass_matches or {}}
+    return cache_entries.pack_framed(ARTIFACT_MAGIC, header, inductor_bytes)
 
 
 def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
@@ -91,22 +87,13 @@ def unpack_artifact(data: bytes) -> tuple[ArtifactTag, bytes]:
 
 
 def _unpack(data: bytes) -> tuple[ArtifactTag, dict, bytes]:
-    start = len(ARTIFACT_MAGIC) + _HEADER_LENGTH.size
-    if not data.startswith(ARTIFACT_MAGIC) or len(data) < start:
-        raise ValueError("not a vgraph artifact (no tag)")
-    (length,) = _HEADER_LENGTH.unpack_from(data, len(ARTIFACT_MAGIC))
+    header, payload = cache_entries.unpack_framed(data, ARTIFACT_MAGIC, "vgraph artifact")
     try:
-        header = json.loads(data[start:start + length])
         tag = ArtifactTag(header["config_key"], header["piece_hash"], header["size"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise ValueError(f"unreadable artifact tag ({exc})") from None
     if header.get("format") != ARTIFACT_FORMAT:
         raise ValueError(f"artifact format {header.get('format')!r}, expected {ARTIFACT_FORMAT}")
-    payload = data[start + length:]
-    if len(payload) != header.get("bytes"):
-        raise ValueError(f"truncated: {len(payload)} payload bytes, the tag says {header.get('bytes')}")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise ValueError("damaged: the payload does not match its sha256 checksum")
     return tag, header, payload
 
 

@@ -9,11 +9,13 @@ entry with a missing or unreadable ``meta.json`` is still listed, with what its 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -62,6 +64,35 @@ def _fsync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_FRAME_HEADER_LENGTH = struct.Struct(">I")
+
+
+def pack_framed(magic: bytes, header: dict, body: bytes) -> bytes:
+    """The layout of every checksummed cache file (artifacts, captured records, runnables):
+    ``magic``, the header's length, the header as JSON with the body's length and sha256
+    added, then the body."""
+    meta = json.dumps({**header, "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()},
+                      sort_keys=True).encode()
+    return magic + _FRAME_HEADER_LENGTH.pack(len(meta)) + meta + body
+
+
+def unpack_framed(data: bytes, magic: bytes, what: str) -> tuple[dict, bytes]:
+    """The header and body of a ``pack_framed`` file; ValueError unless both are whole and the
+    body matches its checksum (``what`` names the file in the message)."""
+    start = len(magic) + _FRAME_HEADER_LENGTH.size
+    if not data.startswith(magic) or len(data) < start:
+        raise ValueError(f"not a {what} (no header)")
+    (length,) = _FRAME_HEADER_LENGTH.unpack_from(data, len(magic))
+    header = json.loads(data[start:start + length])
+    body = data[start + length:]
+    if not isinstance(header, dict) or len(body) != header.get("bytes"):
+        raise ValueError(f"truncated: {len(body)} bytes after the header, which says "
+                         f"{header.get('bytes') if isinstance(header, dict) else '?'}")
+    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
+        raise ValueError(f"damaged: the {what} does not match its sha256 checksum")
+    return header, body
 
 
 def write_json_atomic(path: Path, payload: Any) -> None:

@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import logging
 import pickle
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +43,6 @@ logger = logging.getLogger("vgraph")
 
 RECORD_FORMAT = 3  # 3: a checksummed header before the pickle
 RECORD_MAGIC = b"vgraph-captured\n"
-_HEADER_LENGTH = struct.Struct(">I")
 STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
 
 
@@ -197,31 +194,15 @@ def save_record(path: Path, split_bytes: bytes, sources: list[InputSource], piec
     once each rename a whole file). ``built_for``: ``config_key``, ``graph_hash`` and
     ``state`` (``state_signature``), checked by ``record_problem``."""
     body = pickle.dumps({"split": split_bytes, "sources": sources, "pieces": pieces, **built_for})
-    header = json.dumps({"format": RECORD_FORMAT, "torch": torch.__version__, "bytes": len(body),
-                         "sha256": hashlib.sha256(body).hexdigest()}, sort_keys=True).encode()
-    cache_entries.write_atomic(path, RECORD_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + body)
-
-
-def _read_header(data: bytes) -> tuple[dict, bytes]:
-    """The header and the pickle after it; ValueError unless both are whole and match."""
-    start = len(RECORD_MAGIC) + _HEADER_LENGTH.size
-    if not data.startswith(RECORD_MAGIC) or len(data) < start:
-        raise ValueError("not a captured-graph record of this vgraph (no header)")
-    (length,) = _HEADER_LENGTH.unpack_from(data, len(RECORD_MAGIC))
-    header = json.loads(data[start:start + length])
-    body = data[start + length:]
-    if not isinstance(header, dict) or len(body) != header.get("bytes"):
-        raise ValueError(f"truncated: {len(body)} bytes after the header, which says {header.get('bytes')}")
-    if hashlib.sha256(body).hexdigest() != header.get("sha256"):
-        raise ValueError("damaged: the record does not match its sha256 checksum")
-    return header, body
+    header = {"format": RECORD_FORMAT, "torch": torch.__version__}
+    cache_entries.write_atomic(path, cache_entries.pack_framed(RECORD_MAGIC, header, body))
 
 
 def load_record(path: Path) -> Optional[dict]:
     """The record, or None: from another format or torch version (an info line), or truncated,
     damaged or foreign (a warning, and the file is removed so no start reads it again)."""
     try:
-        header, body = _read_header(path.read_bytes())
+        header, body = cache_entries.unpack_framed(path.read_bytes(), RECORD_MAGIC, "captured-graph record")
         if header.get("format") != RECORD_FORMAT or header.get("torch") != torch.__version__:
             logger.info("captured graph %s is from another vgraph or torch version; tracing with Dynamo", path)
             return None

@@ -30,7 +30,6 @@ import importlib.util
 import json
 import linecache
 import os
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,6 @@ from . import cache_entries
 RUNNABLE_FORMAT = 1
 RUNNABLE_MAGIC = b"vgraph-runnable\n"
 KERNEL_FOLDER = "kernels"
-_HEADER_LENGTH = struct.Struct(">I")
 _INDUCTOR_PACKAGES = ("torch._inductor", "torch._dynamo")
 # What a wrapper may take from Inductor; anything else it uses means no runnable.
 _KERNELS, _EXTERN = "AsyncCompile", "extern_kernels"
@@ -301,31 +299,21 @@ def runnable_path(folder: Path, piece_hash: str, size: str) -> Path:
 def save_runnable(folder: Path, piece_hash: str, size: str, parts: RunnableParts,
                   staged: dict[str, tuple[Path, str]], pass_matches: dict[str, int]) -> None:
     """Writes the runnable file (atomically); its libraries were staged before the check."""
-    source = parts.source.encode()
-    header = json.dumps({"format": RUNNABLE_FORMAT, "torch": torch.__version__, "piece_hash": piece_hash,
-                         "size": size, "kernels": {k: sha for k, (_, sha) in staged.items()},
-                         "extern": parts.extern, "pass_matches": pass_matches, "bytes": len(source),
-                         "sha256": hashlib.sha256(source).hexdigest()}, sort_keys=True).encode()
+    header = {"format": RUNNABLE_FORMAT, "torch": torch.__version__, "piece_hash": piece_hash, "size": size,
+              "kernels": {k: sha for k, (_, sha) in staged.items()}, "extern": parts.extern,
+              "pass_matches": pass_matches}
     cache_entries.write_atomic(runnable_path(folder, piece_hash, size),
-                               RUNNABLE_MAGIC + _HEADER_LENGTH.pack(len(header)) + header + source)
+                               cache_entries.pack_framed(RUNNABLE_MAGIC, header, parts.source.encode()))
 
 
 def read_runnable(path: Path, piece_hash: str, size: str) -> tuple[dict, str]:
     """The header and source of a runnable file, checked; ValueError for a file that is
     truncated, damaged, from another format or torch, or made for another piece."""
-    data = path.read_bytes()
-    start = len(RUNNABLE_MAGIC) + _HEADER_LENGTH.size
-    if not data.startswith(RUNNABLE_MAGIC) or len(data) < start:
-        raise ValueError("not a vgraph runnable")
-    (length,) = _HEADER_LENGTH.unpack_from(data, len(RUNNABLE_MAGIC))
-    header = json.loads(data[start:start + length])
-    source = data[start + length:]
+    header, source = cache_entries.unpack_framed(path.read_bytes(), RUNNABLE_MAGIC, "vgraph runnable")
     if header.get("format") != RUNNABLE_FORMAT or header.get("torch") != torch.__version__:
         raise ValueError(f"format {header.get('format')} for torch {header.get('torch')}")
     if (header.get("piece_hash"), header.get("size")) != (piece_hash, size):
         raise ValueError(f"made for {header.get('piece_hash')}-{header.get('size')}")
-    if len(source) != header.get("bytes") or hashlib.sha256(source).hexdigest() != header.get("sha256"):
-        raise ValueError("damaged: the source does not match its sha256 checksum")
     return header, source.decode()
 
 
