@@ -5,8 +5,8 @@ traced, split graph is then called directly (captured_graph.py), with no Dynamo 
 once it has reproduced Dynamo's output exactly; a warm start loads that graph from the compile
 cache and runs no Dynamo at all. (On CPU a warm start usually never gets here: the runner takes
 warm_start.py's fast path, which needs neither Dynamo nor Inductor; this class then serves as
-its fallback, and after its first forward it saves the runnables that path loads.) If the graph cannot be called directly, calls go through
-Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
+its fallback, and after its first forward it saves the runnables that path loads.) If the
+graph cannot be called directly, calls go through Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
 a recompile raises instead of silently compiling again: during serving it is a bug.
 
 The compile cache never stops a start: if anything read from it fails while loading or on the
