@@ -6,8 +6,9 @@ once it has reproduced Dynamo's output exactly; a warm start loads that graph fr
 cache and runs no Dynamo at all. (On CPU a warm start usually never gets here: the runner takes
 warm_start.py's fast path, which needs neither Dynamo nor Inductor; this class then serves as
 its fallback, and after its first forward it saves the runnables that path loads.) If the
-graph cannot be called directly, calls go through Dynamo's frame with guard evaluation skipped (the compiled code serves every token count), and
-a recompile raises instead of silently compiling again: during serving it is a bug.
+graph cannot be called directly, calls go through Dynamo's frame with guard evaluation skipped
+(the compiled code serves every token count), and a recompile raises instead of silently
+compiling again: during serving it is a bug.
 
 The compile cache never stops a start: if anything read from it fails while loading or on the
 first (warm-up) call, that is one warning and the forward is compiled again from scratch,
