@@ -19,23 +19,13 @@ import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
-from vgraph import LLM, SamplingParams
+from tests.compiler.tiny_engine import ENGINE, PROMPTS
+from tests.compiler.tiny_engine import engine as _engine
+from tests.compiler.tiny_engine import tokens as _tokens
+from vgraph import LLM
 from vgraph.compiler import runnable as runnables
 from vgraph.compiler import warm_start
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
-
-PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 75)), [7]]
-PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-ENGINE = dict(dtype="float32", device="cpu", num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
-
-
-def _engine() -> LLM:
-    return LLM(tiny_checkpoint(arch="llama"), **ENGINE)
-
-
-def _tokens(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.fixture(scope="module")
