@@ -184,6 +184,25 @@ def test_kernel_writes_exactly_its_segments_rows(dtype):
 
 
 @requires_compiler
+@pytest.mark.parametrize("block_size", [1, 24, 48, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_kernel_across_softmax_chunks(dtype, block_size):
+    """The short kernel updates its softmax once per chunk of blocks (64 keys, or one block
+    when a block is longer): block sizes that fill a chunk exactly, partly (24: two blocks
+    are 48 keys) or exceed it, and segments whose causal edge falls inside, on, and across
+    a chunk boundary (a 12-row chunk over keys 59..70, decode rows at 64, 65, 128, 129)."""
+    specs = [(63, 1), (64, 1), (127, 1), (128, 1), (58, 12), (120, M), (200, 1)]
+    b = make_batch(specs, 2, 4, 64, block_size, dtype, extra_rows=1)
+    ref = paged_attention_reference(*b.attention_args())
+    chosen = sorted(segment_tuples(b, short=True))
+    assert len(chosen) == len(specs)
+    out = torch.full(b.q.shape, 7.0)
+    native.attend_segments(b.q, b.k_cache, b.v_cache, b.block_table, chosen, b.scale, out)
+    for _, start, q_len, _ in chosen:
+        assert_close_rel(out[start:start + q_len], ref[start:start + q_len], dtype)
+
+
+@requires_compiler
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (2, 4), (1, 7), (1, 40)],
                          ids=["mha", "gqa4", "gqa7", "gqa40"])
 @pytest.mark.parametrize("dtype", DTYPES)
