@@ -58,6 +58,11 @@ class ForwardContext:
     # runner's dispatcher for this batch. Typed by what ops use of it: ops do not import the
     # runtime.
     piecewise: Optional[PiecewiseHooks] = None
+    # The only rows whose final hidden states this step uses (int64, ascending, on the
+    # device), when fewer than all: the sampled rows of a batch with prefills. A model whose
+    # tail is row-wise may then run its last layer after attention on these rows alone
+    # (vgraph.compiler.piece.RowArgs) and return them, in this order. None: every row.
+    output_rows: Optional[torch.Tensor] = None
     # Host-side work a kernel derives from the metadata, kept for the other layers of this
     # forward (the metadata cannot change within one); emptied on every entry and exit of
     # ``set_forward_context``. See ``metadata_memo``.

@@ -6,6 +6,7 @@ agreement against the engines' own generations."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def logits_by_hand(llm, prompts: list[list[int]]) -> torch.Tensor:
         scheduled.append(ScheduledRequest(request, len(ids)))
     with torch.inference_mode():
         batch, decision = runner.graphs.build(SchedulerOutput(scheduled=scheduled))
+        batch = replace(batch, output_rows=None)  # every row's hidden state, not the sampled rows'
         return runner.model.compute_logits(runner.graphs.run(batch, decision)).float()
 
 

@@ -22,7 +22,7 @@ from . import captured_graph as captured
 from . import warm_start
 from .cache import CompileCache
 from .counters import CompileCounters
-from .piece import PieceRunner, TokenDim, find_token_dim
+from .piece import PieceRunner, TokenDim, find_row_args, find_token_dim
 from .split import count_collectives, split_graph
 from .warm_load import WarmLoadSettings
 
@@ -141,13 +141,22 @@ class VgraphBackend:
         symbol = _token_symbol(fake_args)
         split_bytes = captured.stubbed_split_bytes(split, compiled) if self.capture_context else None
         bar = tqdm(total=len(compiled), desc="compiling pieces", unit="piece", leave=False)
-        runner = _PieceCompiler(split, compiled, self, symbol, real_by_fake, bar)
+        runner = _PieceCompiler(split, compiled, self, symbol, real_by_fake, bar, self._row_wise_tail(pieces))
         with fake_mode:
             runner.run(*fake_args)
         bar.close()
         self._record_pass_matches(runner.piece_hashes)
         self._prepare_capture(split, split_bytes, example_inputs, runner.records, symbol)
         return split
+
+    def _row_wise_tail(self, pieces: list) -> Optional[str]:
+        """The piece after the model's last attention, when the model declares everything
+        there row-wise (``row_wise_tail``), so it may run on only the rows a step uses."""
+        model = self.capture_context[0] if self.capture_context is not None else None
+        if not getattr(model, "row_wise_tail", False) or not pieces or pieces[-1].is_splitting_op \
+                or not any(p.is_splitting_op for p in pieces):
+            return None
+        return pieces[-1].name
 
     def _prepare_capture(self, split: torch.fx.GraphModule, split_bytes: Optional[bytes],
                          example_inputs: list, records: dict[str, captured.PieceRecord], symbol: Any) -> None:
@@ -435,10 +444,11 @@ class _PieceCompiler(torch.fx.Interpreter):
     inputs it actually receives and swaps in a ``PieceRunner``."""
 
     def __init__(self, split: torch.fx.GraphModule, compiled: set[str], backend: VgraphBackend,
-                 symbol: Any, real_by_fake: dict, bar: Any) -> None:
+                 symbol: Any, real_by_fake: dict, bar: Any, row_wise_tail: Optional[str]) -> None:
         super().__init__(split)
         self.split, self.compiled, self.backend = split, compiled, backend
         self.symbol, self.real_by_fake, self.bar = symbol, real_by_fake, bar
+        self.row_wise_tail = row_wise_tail
         self.unique: set[str] = set()
         self.piece_hashes: list[str] = []
         self.records: dict[str, captured.PieceRecord] = {}
@@ -466,6 +476,7 @@ class _PieceCompiler(torch.fx.Interpreter):
                 static[size] = art
         token_dim: Optional[TokenDim] = find_token_dim(args, self.symbol)
         single = not isinstance(out, (tuple, list))
-        self.records[target] = captured.PieceRecord(piece_hash, tuple(static), token_dim, single)
-        setattr(self.split, target, PieceRunner(dynamic, static, token_dim, single))
+        row_args = find_row_args(args, self.symbol) if target == self.row_wise_tail else None
+        self.records[target] = captured.PieceRecord(piece_hash, tuple(static), token_dim, single, row_args)
+        setattr(self.split, target, PieceRunner(dynamic, static, token_dim, single, row_args))
         self.bar.update(1)

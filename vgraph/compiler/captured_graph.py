@@ -41,7 +41,7 @@ from .piece import PieceRunner, TokenDim
 
 logger = logging.getLogger("vgraph")
 
-RECORD_FORMAT = 3  # 3: a checksummed header before the pickle
+RECORD_FORMAT = 4  # 3: a checksummed header before the pickle; 4: PieceRecord.row_args
 RECORD_MAGIC = b"vgraph-captured\n"
 STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
 
@@ -62,6 +62,7 @@ class PieceRecord:
     sizes: tuple[int, ...]  # compile sizes with their own artifact
     token_dim: Optional[TokenDim]
     single_output: bool
+    row_args: Optional[RowArgs] = None  # the model's row-wise tail (piece.py)
 
 
 def source_fingerprint(model: torch.nn.Module) -> str:
@@ -225,7 +226,7 @@ def install_pieces(split: torch.nn.Module, pieces: dict[str, PieceRecord],
         static = {size: load(rec.piece_hash, str(size)) for size in rec.sizes}
         if dynamic is None or any(v is None for v in static.values()):
             return False
-        runners[name] = PieceRunner(dynamic, static, rec.token_dim, rec.single_output)
+        runners[name] = PieceRunner(dynamic, static, rec.token_dim, rec.single_output, rec.row_args)
     for name, runner in runners.items():
         setattr(split, name, runner)
     return True

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -55,6 +55,7 @@ def prompt_logits(llm: Any, prompts: list[list[int]]) -> torch.Tensor:
     one prefill step of the whole batch through the engine's compiled (or eager) forward."""
     runner = llm.engine.runner
     batch, decision = runner.graphs.build(prefill_batch(prompts, runner.spec.block_size))
+    batch = replace(batch, output_rows=None)  # every row's logits, not only the sampled rows'
     hidden = runner.graphs.run(batch, decision)
     return runner.model.compute_logits(hidden).float().clone()
 
@@ -138,7 +139,7 @@ def step_fn(llm: Any, bucket: Bucket) -> Callable[[], torch.Tensor]:
 
     @torch.inference_mode()
     def step() -> torch.Tensor:
-        hidden = runner.graphs.run(batch, decision)[batch.sample_indices]
+        hidden = batch.sampled_hidden(runner.graphs.run(batch, decision))
         return runner.model.compute_logits(hidden)
     return step
 

@@ -304,6 +304,11 @@ class LlamaForCausalLM(nn.Module):
     the rank's own (what its KV cache holds), ``vocab_size`` the model's.
     """
 
+    # Everything after the last attention (o_proj and its all-reduce, the residual add, the
+    # norms, the MLP: per-token activation quantization included) works row by row, so the
+    # compiler may run it on only the rows a step samples (vgraph/compiler/piece.py RowArgs).
+    row_wise_tail = True
+
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: Optional[int] = None, use_custom_ops: bool = True,
                  quant_config: Optional[Fp8Config] = None, tp: Optional[TPGroup] = None) -> None:

@@ -46,11 +46,21 @@ class FlatBatch:
     sample_indices: torch.Tensor  # [S'] int64
     sampled_requests: list[Request]  # in sample_indices order
     num_scheduled: int  # rows before padding
+    # ``sample_indices`` again when those rows are all the step uses and fewer than it runs
+    # (ForwardContext.output_rows: the model's tail may then run on them alone); else None.
+    output_rows: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
         """Rows the forward runs, padding included."""
         return self.input_ids.shape[0]
+
+    def sampled_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' hidden states, from the forward's output: every real row, or
+        (fewer rows) the ``output_rows`` alone, already in ``sample_indices`` order."""
+        if self.output_rows is not None and hidden.shape[0] == self.output_rows.shape[0]:
+            return hidden
+        return hidden[self.sample_indices]
 
 
 @dataclass
@@ -88,8 +98,22 @@ class BatchBuilder:
             self._pad_rows(rows, padding)
         meta = self._metadata(rows, decision)
         ids, positions = np.concatenate(rows.ids), np.concatenate(rows.positions)
-        return FlatBatch(self._dev(ids), self._dev(positions), meta,
-                         self._dev(np.asarray(sample_rows, dtype=np.int64)), sampled, num_scheduled)
+        sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
+        output_rows = sample_indices if self._tail_on_sampled_rows(sched, decision, len(sample_rows),
+                                                                   num_scheduled) else None
+        return FlatBatch(self._dev(ids), self._dev(positions), meta, sample_indices, sampled, num_scheduled,
+                         output_rows)
+
+    def _tail_on_sampled_rows(self, sched: SchedulerOutput, decision: Decision, num_sampled: int,
+                              num_scheduled: int) -> bool:
+        """Whether the sampled rows (ascending: one per request, in batch order) are all this
+        step uses of the final hidden states, and fewer than its rows: a batch with prefill
+        rows, none of whose requests wants prompt logprobs or pooled states. CPU only: the
+        CUDA path has not run it yet, and its PIECEWISE graphs replay whole token buckets."""
+        if self.device.type != "cpu" or decision.path is Path.FULL or num_sampled >= num_scheduled:
+            return False
+        return not any(item.request.num_prompt_logprobs is not None or item.request.pooling is not None
+                       for item in sched.scheduled)
 
     def _rows(self, sched: SchedulerOutput) -> tuple[_Rows, list[int], list[Request]]:
         rows = _Rows([], [], [], [], [], [])

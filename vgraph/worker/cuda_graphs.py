@@ -198,8 +198,9 @@ class GraphRunner:
         return self.builder.build(sched, decision), decision
 
     def run(self, batch: FlatBatch, decision: Decision) -> torch.Tensor:
-        """Hidden states of the batch's real rows (padding dropped). The result may be a view
-        of a persistent buffer: consume it before the next forward."""
+        """Hidden states of the batch's real rows (padding dropped), or of its
+        ``output_rows`` alone when the model's tail ran on those. The result may be a view of a
+        persistent buffer: consume it before the next forward."""
         self.dispatch_counts[(decision.path, decision.bucket)] += 1
         if decision.path is Path.FULL:
             hidden = self._run_full(batch, decision.bucket)
@@ -215,14 +216,18 @@ class GraphRunner:
         return self._forward_inputs(inputs.input_ids, inputs.positions, inputs.attn_metadata, None)
 
     def _forward(self, batch: FlatBatch, phase: Optional[Phase]) -> torch.Tensor:
-        return self._forward_inputs(batch.input_ids, batch.positions, batch.attn_metadata, phase)
+        return self._forward_inputs(batch.input_ids, batch.positions, batch.attn_metadata, phase,
+                                    batch.output_rows)
 
     def _forward_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        phase: Optional[Phase]) -> torch.Tensor:
-        """The one place a forward context is made: metadata, caches, and how pieces run."""
+                        phase: Optional[Phase], output_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The one place a forward context is made: metadata, caches, how pieces run, and the
+        rows the step uses (the forward may return only those: ``FlatBatch.used_hidden``)."""
         pieces = self.piecewise_graphs.forward(phase) if phase is not None else contextlib.nullcontext()
         with pieces as run:
-            with set_forward_context(ForwardContext(meta, self.kv_caches, self.softmax_scale, piecewise=run)):
+            context = ForwardContext(meta, self.kv_caches, self.softmax_scale, piecewise=run,
+                                     output_rows=output_rows)
+            with set_forward_context(context):
                 return self.forward_fn(input_ids, positions)
 
     # ------------------------------------------------------------------ capture

@@ -241,7 +241,7 @@ class ModelRunner:
         pooled = pooled_chunks(rows, sched) or None
         if not batch.sampled_requests:
             return StepResult({}, None, prompt_logprobs, pooled)
-        logits = self.model.compute_logits(rows[batch.sample_indices])
+        logits = self.model.compute_logits(batch.sampled_hidden(rows))
         meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks)
         out = self.sampler(logits, meta)
         sampled = dict(zip((r.request_id for r in batch.sampled_requests), out.token_ids.tolist()))
