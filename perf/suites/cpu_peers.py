@@ -467,6 +467,8 @@ def _model_lines(m: dict) -> list[str]:
         ratio = f"{base / t['generated']:8.2f}" if base else f"{'-':>8}"
         agree = f"{a['token_agreement'] * 100:5.1f}% {a['prompts_equal']:>3}/{a['prompts']:<4}" if a else "-"
         label = name + ("" if s["fp32"] else " (not fp32)")
+        if s.get("measured_separately"):  # re-measured into a kept result: its own rounds
+            label += f" ({len(s['samples'])} rounds, later)"
         lines.append(f"  {label:<36}{t['prefill']:9.0f}{t['decode']:9.0f}{t['generated']:9.1f}  {ratio}  {agree}")
     lines += [f"  skipped {name}: {why}" for name, why in m["skipped"].items()]
     lines += [f"  {name} stopped early: {why}" for name, why in m.get("failures", {}).items()]
