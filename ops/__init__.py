@@ -20,7 +20,7 @@ from .attention import paged_attention, paged_attention_decode_split_kv
 from .fp8 import dynamic_per_token_scaled_fp8_quant, fp8_gemm, static_scaled_fp8_quant
 from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_per_token_fp8_quant,
                           rms_norm_static_fp8_quant, silu_and_mul_static_fp8_quant)
-from .kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from .kernels.host import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from .kv_cache import reshape_and_cache
 from .linear import packed_linear
 from .norm import fused_add_rms_norm, rms_norm

@@ -5,8 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kernels import activation as kernels
+from .kernels import lazy
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+kernels = lazy("activation")
 
 
 def _check_even(x: Tensor) -> int:

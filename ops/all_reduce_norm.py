@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .fp8 import check_static_scale
 from .fused_quant import fused_add_rms_norm_static_fp8_quant_reference
-from .kernels.common import FP8_DTYPE
+from .kernels.host import FP8_DTYPE
 from .norm import fused_add_rms_norm_reference
 from .registration import vgraph_op
 

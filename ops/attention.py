@@ -23,9 +23,12 @@ import torch
 from torch import Tensor
 
 from . import cpu_attention
-from .kernels import attention as kernels
+from .kernels import lazy
 from .kv_cache import check_kv_cache_pair
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+kernels = lazy("attention")
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _ATTN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,9 +11,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels import fp8 as kernels
-from .kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from .kernels import lazy
+from .kernels.host import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+kernels = lazy("fp8")
 
 
 def check_static_scale(scale: Tensor) -> None:

@@ -11,11 +11,14 @@ from torch import Tensor
 from .activation import silu_and_mul_reference
 from .fp8 import (check_static_scale, dynamic_per_token_scaled_fp8_quant_reference,
                   static_scaled_fp8_quant_reference)
-from .kernels import activation as act_kernels
-from .kernels import norm as norm_kernels
-from .kernels.common import FP8_DTYPE
+from .kernels import lazy
+from .kernels.host import FP8_DTYPE
 from .norm import fused_add_rms_norm_reference, rms_norm_reference
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+act_kernels = lazy("activation")
+norm_kernels = lazy("norm")
 
 
 def rms_norm_static_fp8_quant_reference(x: Tensor, weight: Tensor, scale: Tensor,

@@ -12,9 +12,12 @@ import ctypes
 import torch
 from torch import Tensor
 
-from .kernels import kv_cache as kernels
+from .kernels import lazy
 from .native_build import NativeKernel
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+kernels = lazy("kv_cache")
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 

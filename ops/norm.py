@@ -8,8 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernels import norm as kernels
+from .kernels import lazy
 from .registration import vgraph_op
+
+# Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
+kernels = lazy("norm")
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

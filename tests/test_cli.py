@@ -30,10 +30,10 @@ _WITH_MODULES = ("import json, sys\nfrom vgraph.cli import main\nrc = main(sys.a
 # runs its own modules; transformers gives config and tokenizer), transformers' config modules
 # and AutoTokenizer (the compile run recorded what they resolved: checkpoint_record), and
 # Dynamo's frame wrapper (made by torch.compile, which a start that loads the captured graph
-# never calls).
+# never calls), and Triton (the ops import their CUDA kernels on first use: ops/kernels lazy).
 _NOT_ON_THE_GENERATE_PATH = ("vgraph.server", "fastapi", "uvicorn", "starlette", "openai",
                              "transformers.modeling_utils", "transformers.models.llama",
-                             "transformers.models.auto", "torch._dynamo", "torch._inductor")
+                             "transformers.models.auto", "torch._dynamo", "torch._inductor", "triton")
 
 
 def vgraph_modules(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, set[str]]:

@@ -43,7 +43,6 @@ dots use IEEE precision so compiled fp32 results are not rounded through TF32.
 """
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -338,32 +337,6 @@ def effective_splits(num_splits: int, table_width: int, block_size: int, tile_n:
     """The split count a launch uses: at least 1, and no more than the key tiles the block
     table can hold (a split with less than a tile to own only adds work to stage 2)."""
     return max(1, min(int(num_splits), triton.cdiv(table_width * block_size, tile_n)))
-
-
-# A split count is good enough once its last wave is this full, relative to the best count.
-_WAVE_EFFICIENCY_SLACK = 0.85
-# Programs that already fill this much of one wave are not split at all.
-_FULL_WAVE = 0.8
-
-
-@functools.lru_cache(maxsize=4096)
-def wave_efficient_splits(programs: int, slots: int, max_splits: int) -> int:
-    """How many ways to split ``programs`` (sequence, kv head) programs over ``slots`` program
-    slots (SMs x resident programs per SM), at most ``max_splits``: FlashAttention's
-    ``num_splits_heuristic``. No split when the unsplit grid fills most of a wave; otherwise the
-    smallest count whose last wave is nearly as full as the best count's, since every split
-    also costs a partial-output write and a share of the merge. Cached: the runner asks every
-    step with a handful of distinct arguments."""
-    if programs <= 0 or slots <= 0 or programs >= _FULL_WAVE * slots or max_splits <= 1:
-        return 1
-
-    def efficiency(splits: int) -> float:
-        waves = programs * splits / slots
-        return waves / math.ceil(waves)
-
-    best = max(efficiency(s) for s in range(1, max_splits + 1))
-    return next(s for s in range(1, max_splits + 1)
-                if efficiency(s) >= _WAVE_EFFICIENCY_SLACK * best)
 
 
 def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tensor,

@@ -1,12 +1,13 @@
 """Small helpers shared by the Triton launchers."""
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .host import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, sm_count  # noqa: F401  (the launchers import them here)
 
 # The interpreter is chosen once, when triton is imported, from this variable.
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -15,22 +16,10 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # attention kernels upcast their dot operands to fp32 there. Compiled kernels keep bf16/fp16.
 DOT_UPCAST: bool = INTERPRETED
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-# A dynamic scale never goes below this, so an all-zero row quantizes to zeros, not NaNs.
-FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device, read once per device: launch policies
-    (the split-KV count) ask every step, and the property query is not free."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rows_and_width(x: torch.Tensor) -> tuple[int, int]:

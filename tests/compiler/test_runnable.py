@@ -63,7 +63,7 @@ def test_cold_start_saves_checked_runnables_and_the_warm_index(cold):
         "the cold start serves with the code warm starts will run"
 
 
-def test_warm_start_imports_neither_inductor_nor_dynamo_and_gives_the_same_tokens(cold, tmp_path):
+def test_warm_start_imports_neither_inductor_nor_dynamo_nor_triton_and_gives_the_same_tokens(cold, tmp_path):
     """In a fresh process, as a user starts one (this test process has imported Inductor)."""
     root = tmp_path / "cache"
     shutil.copytree(cold["root"], root)
@@ -76,6 +76,7 @@ def test_warm_start_imports_neither_inductor_nor_dynamo_and_gives_the_same_token
         c = llm.engine.runner.compile_counters
         print(json.dumps({{"tokens": [list(o.outputs[0].token_ids) for o in outs],
                           "inductor": "torch._inductor" in sys.modules, "dynamo": "torch._dynamo" in sys.modules,
+                          "triton": "triton" in sys.modules,
                           "runnables": c.runnable_loads, "graph": c.captured_graph, "pieces": c.compiled_pieces}}))
     """)
     env = {**_clean_env(), "VGRAPH_CACHE_DIR": str(root)}
@@ -85,7 +86,7 @@ def test_warm_start_imports_neither_inductor_nor_dynamo_and_gives_the_same_token
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["graph"] == "loaded" and result["runnables"] == cold["counters"].unique_piece_graphs
     assert result["pieces"] == cold["counters"].compiled_pieces
-    assert not result["inductor"] and not result["dynamo"]
+    assert not result["inductor"] and not result["dynamo"] and not result["triton"]
     assert result["tokens"] == cold["tokens"]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vgraph.ops.kernels import common
-from vgraph.ops.kernels.attention import wave_efficient_splits
+from vgraph.ops.kernels.host import wave_efficient_splits
 from vgraph.core.scheduler import SchedulerOutput
 from vgraph.worker import batch as batch_module
 from vgraph.worker.batch import BatchBuilder

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
 from vgraph.ops.activation import silu_and_mul_reference
-from vgraph.ops.kernels.common import FP8_DTYPE
+from vgraph.ops.kernels.host import FP8_DTYPE
 from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from vgraph.ops.linear import packing_enabled
 

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
 from vgraph.ops.fp8 import (dynamic_per_token_scaled_fp8_quant_reference,
                             static_scaled_fp8_quant_reference)
-from vgraph.ops.kernels.common import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from vgraph.ops.kernels.host import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 SUPPORTED_QUANTIZATION = ("fp8",)
 ACTIVATION_SCHEMES = ("static", "dynamic")

@@ -88,7 +88,7 @@ def _fp8_static_state_dict(model: torch.nn.Module,
                            input_amax: dict[str, float]) -> dict[str, torch.Tensor]:
     """The model's tensors with every decoder projection as (e4m3 weight, weight_scale, input_scale)."""
     from vgraph.models.quantization import quantize_weight
-    from vgraph.ops.kernels.common import FP8_MAX
+    from vgraph.ops.kernels.host import FP8_MAX
 
     tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
     if getattr(model.config, "tie_word_embeddings", False):

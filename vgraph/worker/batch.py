@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from vgraph.ops.forward_context import AttentionMetadata
-from vgraph.ops.kernels.attention import wave_efficient_splits
-from vgraph.ops.kernels.common import sm_count
+from vgraph.ops.kernels.host import sm_count, wave_efficient_splits
 
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
