@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+from tests.compiler.tiny_engine import cold_start
 from tests.compiler.tiny_engine import engine as _engine
 from tests.compiler.tiny_engine import tokens as _tokens
 from vgraph.compiler import captured_graph as captured
@@ -20,11 +21,8 @@ from vgraph.compiler import captured_graph as captured
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory):
     """A cold start into its own cache: its counters, tokens and the filled cache dir."""
-    root = tmp_path_factory.mktemp("captured-cold")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGRAPH_CACHE_DIR", str(root))
-        llm = _engine()
-        return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root}
+    llm, root = cold_start(tmp_path_factory, "captured-cold")
+    return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root}
 
 
 def _warm_from_copy(cold, tmp_path, monkeypatch):

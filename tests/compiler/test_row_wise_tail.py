@@ -12,38 +12,33 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-from tests.checkpoints import tiny_checkpoint
+from tests.compiler import tiny_engine
+from tests.compiler.tiny_engine import cold_start, piece_runners
 from vgraph import LLM, SamplingParams
 from vgraph.compiler.piece import PieceRunner, RowArgs, find_row_args
 
-# A 150-token prompt runs in three chunks of at most 64 rows: the first two sample no row.
-PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 75)), [7], [(11 * i) % 500 + 6 for i in range(150)]]
+# The shared prompts plus a 150-token one, which runs in three chunks of at most 64 rows: the
+# first two sample no row.
+PROMPTS = tiny_engine.PROMPTS + [[(11 * i) % 500 + 6 for i in range(150)]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-ENGINE = dict(dtype="float32", device="cpu", num_gpu_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
 
 
 def _tail(llm: LLM) -> PieceRunner:
-    split = llm.engine.runner.graphs.forward_fn._direct.split
-    return [m for m in split.children() if isinstance(m, PieceRunner)][-1]
+    return piece_runners(llm)[-1]
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return tiny_engine.tokens(llm, PROMPTS, PARAMS)
 
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory):
-    root = tmp_path_factory.mktemp("row-wise-tail")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGRAPH_CACHE_DIR", str(root))
-        llm = LLM(tiny_checkpoint(arch="llama"), **ENGINE)
-        yield {"llm": llm, "root": root}
+    llm, root = cold_start(tmp_path_factory, "row-wise-tail")
+    return {"llm": llm, "root": root}
 
 
 def test_only_the_tail_piece_is_row_wise(cold):
-    runners = [m for m in cold["llm"].engine.runner.graphs.forward_fn._direct.split.children()
-               if isinstance(m, PieceRunner)]
+    runners = piece_runners(cold["llm"])
     assert [r.row_args is not None for r in runners] == [False] * (len(runners) - 1) + [True]
     assert runners[-1].row_args.tensors and runners[-1].row_args.ints  # attention output, residual; token count
 
@@ -79,7 +74,7 @@ def _recording(fn, calls: list):
 
 
 def test_greedy_tokens_equal_the_eager_engine(cold):
-    eager = LLM(tiny_checkpoint(arch="llama"), enforce_eager=True, **ENGINE)
+    eager = tiny_engine.engine(enforce_eager=True)
     assert _tokens(cold["llm"]) == _tokens(eager)
 
 
@@ -99,7 +94,7 @@ def test_a_warm_start_keeps_the_row_wise_tail(cold, tmp_path, monkeypatch):
     root = tmp_path / "cache"
     shutil.copytree(cold["root"], root)
     monkeypatch.setenv("VGRAPH_CACHE_DIR", str(root))
-    warm = LLM(tiny_checkpoint(arch="llama"), **ENGINE)
+    warm = tiny_engine.engine()
     assert warm.engine.runner.compile_counters.runnable_loads > 0
     assert _tail(warm).row_args == _tail(cold["llm"]).row_args
     assert _tokens(warm) == _tokens(cold["llm"])

@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
-from tests.compiler.tiny_engine import ENGINE, PROMPTS
+from tests.compiler.tiny_engine import ENGINE, PROMPTS, cold_start, piece_runners
 from tests.compiler.tiny_engine import engine as _engine
 from tests.compiler.tiny_engine import tokens as _tokens
-from vgraph import LLM
 from vgraph.compiler import runnable as runnables
 from vgraph.compiler import warm_start
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
@@ -30,19 +29,11 @@ from vgraph.config import CompileConfig, EngineConfig, ModelConfig
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory):
-    """A cold start into its own cache: its tokens and the filled cache dir."""
-    root = tmp_path_factory.mktemp("runnable-cold")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VGRAPH_CACHE_DIR", str(root))
-        llm = _engine()
-        return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root,
-                "pieces": _piece_callables(llm)}
-
-
-def _piece_callables(llm: LLM) -> list:
-    """What each compiled piece of the engine's forward calls (its dynamic-size code)."""
-    split = llm.engine.runner.graphs.forward_fn._direct.split
-    return [m.dynamic for m in split.children() if hasattr(m, "dynamic")]
+    """A cold start into its own cache: its tokens, the filled cache dir, and what each
+    compiled piece calls (its dynamic-size code)."""
+    llm, root = cold_start(tmp_path_factory, "runnable-cold")
+    return {"counters": llm.engine.runner.compile_counters, "tokens": _tokens(llm), "root": root,
+            "pieces": [runner.dynamic for runner in piece_runners(llm)]}
 
 
 def _copy(cold, tmp_path, monkeypatch) -> Path:
