@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from vgraph import cli, cli_options
-from vgraph.config import (CPU_STEP_TOKENS, FIELD_SECTION, GPU_STEP_TOKENS, SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode,
-                           EngineConfig, ModelConfig, SchedulerConfig)
+from vgraph.config import (CPU_BLOCK_SIZE, CPU_STEP_TOKENS, FIELD_SECTION, GPU_BLOCK_SIZE, GPU_STEP_TOKENS,
+                           SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode, EngineConfig,
+                           ModelConfig, SchedulerConfig)
 from vgraph.engine import llm as llm_module
 
 COMMANDS = {"generate": ["generate", "--prompt", "Hi"], "compile": ["compile"], "serve": ["serve"]}
@@ -298,6 +299,18 @@ def test_the_step_token_budget_is_decided_for_the_device(kwargs, positions, expe
     resolved = _resolve(config, positions=positions)
     assert resolved.scheduler.max_num_batched_tokens == expected
     assert config.scheduler.max_num_batched_tokens == kwargs.get("max_num_batched_tokens")
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({"device": "cpu"}, CPU_BLOCK_SIZE),  # long contiguous runs for the CPU decode attention
+    ({"device": "cuda"}, GPU_BLOCK_SIZE),
+    ({"device": "cpu", "block_size": 16}, 16),  # given: kept
+])
+def test_the_kv_block_size_is_decided_for_the_device(kwargs, expected):
+    config = EngineConfig.from_kwargs(MODEL, **kwargs)
+    resolved = _resolve(config)
+    assert resolved.cache.block_size == expected and resolved.is_resolved
+    assert config.cache.block_size == kwargs.get("block_size") and not config.is_resolved
 
 
 def test_unresolved_config_refuses_resolved_only_reads():

@@ -519,13 +519,18 @@ def _serve_engine(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_le
         return _engine_replica(args, kwargs, max_queue_len, kwargs["device"], None, None)
     import threading
 
+    import torch
+
+    from vgraph.config import default_block_size
     from vgraph.engine.dp_engine import data_parallel
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // size)
     building = threading.Lock()
-    replicas = [_engine_replica(args, kwargs, max_queue_len, device, threads, building)
-                for device in _replica_devices(kwargs["device"], size)]
-    return data_parallel(replicas, kwargs["block_size"])
+    devices = _replica_devices(kwargs["device"], size)
+    replicas = [_engine_replica(args, kwargs, max_queue_len, device, threads, building) for device in devices]
+    # The router hashes prompts in the replicas' KV blocks, the size each engine resolves to.
+    block_size = kwargs["block_size"] or default_block_size(torch.device(devices[0]).type)
+    return data_parallel(replicas, block_size)
 
 
 def _engine_replica(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int], device: str,
@@ -562,8 +567,9 @@ def _replica_devices(device: str, size: int) -> list[str]:
     """The device of each data-parallel replica: on CUDA one GPU each (``cuda:0`` ..), on CPU
     the CPU for all (they split its threads)."""
     import torch
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    from vgraph.config import resolve_device
+    device = resolve_device(device)
     if device == "cpu":
         return ["cpu"] * size
     if device != "cuda":

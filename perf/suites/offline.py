@@ -33,7 +33,6 @@ Tokens = list[list[int]]
 PROMPT_SEED = 0
 FIRST_REGULAR_ID = 6  # ids 0..5 are <s>, </s>, <pad> and the role tokens of the demo tokenizer
 PAD_ID = 2
-BLOCK_SIZE = 16
 ROUNDS = 2
 STATIC_COMPILE_BUDGET_S = 240.0  # "works on CPU within a few minutes", else recorded as skipped
 TARGET_COMPILED_OVER_HF = 3.0  # compiled vgraph >= 3x transformers eager generate, every workload
@@ -87,9 +86,9 @@ def make_requests(w: Workload, n: int, vocab_size: int) -> Requests:
 # ----------------------------------------------------------------------------- vgraph
 
 
-def kv_blocks_needed(r: Requests) -> int:
+def kv_blocks_needed(r: Requests, block_size: int) -> int:
     """Blocks for every request at full length at once, so the run never preempts."""
-    return sum(-(-(len(p) + n) // BLOCK_SIZE) for p, n in zip(r.prompts, r.output_lens))
+    return sum(-(-(len(p) + n) // block_size) for p, n in zip(r.prompts, r.output_lens))
 
 
 class VgraphSystem:
@@ -101,16 +100,21 @@ class VgraphSystem:
 
     def __init__(self, path: str, device: str, levels: list[Requests], compiled: bool = False) -> None:
         from vgraph import LLM, SamplingParams
+        from vgraph.config import default_block_size
 
+        # The KV block size and step token budget are the engine's defaults for the device, as
+        # a user gets them (recorded below); the pool is sized for them.
+        block_size = default_block_size(torch.device(device).type)
         self.config = {"dtype": "float32", "device": device, "enable_prefix_caching": False,
-                       "block_size": BLOCK_SIZE, "max_num_seqs": max(len(r.prompts) for r in levels),
-                       "num_gpu_blocks": max(kv_blocks_needed(r) for r in levels) + 16,
+                       "max_num_seqs": max(len(r.prompts) for r in levels),
+                       "num_gpu_blocks": max(kv_blocks_needed(r, block_size) for r in levels) + 16,
                        "enforce_eager": not compiled}
         start = time.perf_counter()
         self.llm = LLM(path, **self.config)
         self.build_s = time.perf_counter() - start  # includes the cold compile when compiled
-        # The step token budget is the engine's default for the device, as a user gets it.
-        self.config["max_num_batched_tokens"] = self.llm.engine.config.scheduler.max_num_batched_tokens
+        resolved = self.llm.engine.config
+        self.config["block_size"] = resolved.cache.block_size
+        self.config["max_num_batched_tokens"] = resolved.scheduler.max_num_batched_tokens
         counters = self.llm.engine.runner.compile_counters
         self.compile_counters = counters.as_dict() if counters is not None else None
         self._sampling = SamplingParams

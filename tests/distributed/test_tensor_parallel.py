@@ -32,7 +32,7 @@ MODES = ("eager", "compiled")
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 LENGTHS = [1, 5, 16, 17, 40, 100]  # block boundaries, one token, a few blocks
-ENGINE = dict(dtype="float32", device="cpu", num_gpu_blocks=128, max_model_len=256)
+ENGINE = dict(dtype="float32", device="cpu", block_size=16, num_gpu_blocks=128, max_model_len=256)
 
 
 def _start(arch: str, mode: str, tp: int) -> LLM:

@@ -25,6 +25,8 @@ MODES = {
 
 
 def _llm(path: str, mode: str = "compiled", **kw) -> LLM:
+    # Pool sizes and prefix-cache hits below count 16-token blocks (the CPU default is larger).
+    kw.setdefault("block_size", 16)
     kw.setdefault("num_gpu_blocks", 256)
     return LLM(path, dtype="float32", device="cpu", compile_config=MODES[mode], **kw)
 

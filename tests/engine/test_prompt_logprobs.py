@@ -16,6 +16,8 @@ TOL = 1e-4
 
 
 def _llm(path: str, mode: str = "eager", **kw) -> LLM:
+    # Pool sizes and prefix-cache hits below count 16-token blocks (the CPU default is larger).
+    kw.setdefault("block_size", 16)
     kw.setdefault("num_gpu_blocks", 256)
     config = CompileConfig(level="none") if mode == "eager" else CompileConfig()
     return LLM(path, dtype="float32", device="cpu", compile_config=config, **kw)

@@ -117,7 +117,7 @@ def _scheduler_counts(engine: LLMEngine) -> EngineStats:
 
 
 def test_engine_stats_match_the_scheduler():
-    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=12,
+    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=12, block_size=16,
               max_model_len=128, max_num_batched_tokens=BUDGET, enforce_eager=True)
     engine = llm.engine
     shared = list(range(20, 52))  # two full blocks another request can find in the prefix cache

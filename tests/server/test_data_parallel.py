@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import EAGER_ARGS, ServerProcess
+from vgraph.config import CPU_BLOCK_SIZE
 
 DP_ARGS = [*EAGER_ARGS, "--max-logprobs", "5", "--data-parallel-size", "2"]
 PROMPTS = ["def add(a, b):", "class Stack:", "import os\n", "for i in range(10):", "def parse(text):",
@@ -63,8 +64,9 @@ def test_concurrent_requests_spread_over_both_replicas(dp_server):
 
 
 def test_a_repeated_prefix_stays_on_one_replica_and_hits_its_cache(dp_server):
-    prefix = "You are a careful Python programmer. Write short, well named functions with docstrings. " * 3
-    assert len(dp_server.tokenize(prefix)) >= 48
+    # One whole KV block of the CPU default size: the prefix cache and the router share blocks.
+    prefix = "You are a careful Python programmer. Write short, well named functions with docstrings. " * 6
+    assert len(dp_server.tokenize(prefix)) >= CPU_BLOCK_SIZE
     before = dp_server.wait_idle()
     _complete(dp_server, prefix + "def add(a, b):", max_tokens=4)
     # Sent together, by load alone these would split over the replicas; the prefix keeps them
@@ -77,7 +79,7 @@ def test_a_repeated_prefix_stays_on_one_replica_and_hits_its_cache(dp_server):
                                   _per_replica(before, "prefix_cache_hits_total"))]
     owner = 0 if looked_up[0] else 1
     assert looked_up[1 - owner] == 0, f"every request went to one replica: {looked_up}"
-    assert hits[owner] >= 3 * 48, f"the three repeats found the shared blocks cached: {hits}"
+    assert hits[owner] >= 3 * CPU_BLOCK_SIZE, f"the three repeats found the shared blocks cached: {hits}"
 
 
 def test_greedy_outputs_equal_one_engine(dp_server, server):

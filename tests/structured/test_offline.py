@@ -160,7 +160,7 @@ def test_logprobs_are_the_raw_model_logprobs(llm):
 
 
 def test_preemption_does_not_advance_a_matcher_twice():
-    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=24,
+    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=24, block_size=16,
               max_model_len=256, enforce_eager=True, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(6, 500, (k,), generator=g).tolist()}

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..config import default_block_size, resolve_device
 from .analysis import engine_records, graph_rows, kernel_rows, kernel_totals, match_totals, write_diffs
 from .kernels import KernelCapture
 from .markdown import render
@@ -131,7 +132,8 @@ def _engine_settings(plan: list[Bucket], given: dict[str, Any]) -> dict[str, Any
     largest_prefill = max((b.size for b in plan if b.kind == "prefill"), default=0)
     settings["max_num_seqs"] = max(settings.get("max_num_seqs", 0), largest_decode, 8)
     settings["max_num_batched_tokens"] = max(settings.get("max_num_batched_tokens", 0), 512, largest_prefill)
-    needed = max([b.blocks(settings.get("block_size", 16)) for b in plan] + [64]) + 16
+    block_size = settings.get("block_size") or default_block_size(resolve_device(settings.get("device", "auto")))
+    needed = max([b.blocks(block_size) for b in plan] + [64]) + 16
     settings.setdefault("num_gpu_blocks", needed)
     settings["enable_prefix_caching"] = False
     return settings
