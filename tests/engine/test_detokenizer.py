@@ -243,3 +243,33 @@ def _running_totals(values: list[int]) -> list[int]:
         totals.append(total)
         total += v
     return totals
+
+
+class _OwnDecode(PreTrainedTokenizerFast):
+    """A tokenizer class with its own ``_decode``: it must keep going through the wrapper."""
+
+    def _decode(self, token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=None, **kwargs):
+        return "<" + super()._decode(token_ids, skip_special_tokens, clean_up_tokenization_spaces, **kwargs) + ">"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_direct_decoding_equals_the_wrapper(tokenizer, skip, monkeypatch):
+    """The Rust tokenizer is called directly for a plain fast tokenizer (the wrapper is never
+    called); every id alone and every window of a text with special tokens decodes as
+    tokenizer.decode does."""
+    ids = [tokenizer.bos_token_id] + tokenizer.encode("héllo wörld 日本語 the café") + [tokenizer.eos_token_id]
+    windows = [[i] for i in range(len(tokenizer))] + [ids[a:b] for a in range(len(ids)) for b in range(a, len(ids) + 1)]
+    expected = [tokenizer.decode(w, skip_special_tokens=skip, clean_up_tokenization_spaces=False) for w in windows]
+
+    def wrapper_called(*args, **kwargs):
+        raise AssertionError("decoded through the Python wrapper")
+    monkeypatch.setattr(tokenizer, "decode", wrapper_called)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+    assert [detok._decode(w) for w in windows] == expected
+
+
+def test_a_tokenizer_with_its_own_decode_keeps_it(tokenizer):
+    own = _OwnDecode(tokenizer_object=tokenizer.backend_tokenizer, bos_token="<s>", eos_token="</s>")
+    detok = IncrementalDetokenizer(own, [], skip_special_tokens=True)
+    ids = own.encode("hello world")
+    assert detok._decode(ids) == "<hello world>"

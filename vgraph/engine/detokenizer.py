@@ -13,7 +13,10 @@ is the difference. If the longer decode ends in U+FFFD the last token is an inco
 sequence, so nothing is emitted and the offsets stay put until the character completes.
 Decoding goes through ``tokenizer.decode`` (with ``clean_up_tokenization_spaces=False``, so
 the pieces concatenate), which works for any Hugging Face tokenizer, special/added tokens
-included. The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
+included. For a fast tokenizer whose class keeps the base class's ``decode``, that call is
+exactly the Rust tokenizer's own ``decode``, which is called directly: the Python wrapper
+(argument conversion that walks the ids) cost about as much as the decoding itself, twice
+per token of every sequence in every step. The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False)``, except that the prompt's last tokens serve as context
 for the first output token (e.g. its leading space is kept, as in vLLM), and that bytes of a
 character the output never completes stay held back (no trailing U+FFFD).
@@ -26,7 +29,7 @@ the output already is and however many stop strings there are.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 if TYPE_CHECKING:
     from ..core.request import Request
@@ -59,6 +62,7 @@ class IncrementalDetokenizer:
         self.stop_reason: Optional[str] = None
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._stop_pattern = _stop_pattern(self.stop)
+        self._decode_ids = _decoder(tokenizer, skip_special_tokens)
 
     @classmethod
     def from_request(cls, tokenizer: Any, request: "Request") -> "IncrementalDetokenizer":
@@ -102,8 +106,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self._decode_ids(ids)
 
     def _decode_step(self) -> str:
         """Text completed by the latest token; '' while a UTF-8 character is still partial."""
@@ -133,6 +136,22 @@ class IncrementalDetokenizer:
         self.sent_offset = min(self.sent_offset, cut)
         self.stop_reason = stop
         return stop
+
+
+def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)`` returns it; the Rust tokenizer's ``decode`` where that
+    is all the wrapper would call (a subclass that overrides either decode keeps the wrapper)."""
+    try:
+        from transformers import PreTrainedTokenizerFast as fast
+    except ImportError:  # a transformers without fast tokenizers: the wrapper serves
+        fast = None
+    cls = type(tokenizer)
+    if fast is not None and isinstance(tokenizer, fast) and cls.decode is fast.decode and cls._decode is fast._decode:
+        backend_decode = tokenizer.backend_tokenizer.decode
+        return lambda ids: backend_decode(ids, skip_special_tokens=skip_special_tokens)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False)
 
 
 def _stop_pattern(stops: Sequence[str]) -> Optional[re.Pattern[str]]:
