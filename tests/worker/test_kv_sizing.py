@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,8 @@ import torch
 from vgraph.config import CacheConfig
 from vgraph.worker import runner as runner_module
 from vgraph.worker.dummy import dummy_lengths, dummy_prefill
-from vgraph.worker.kv_sizing import KVSpec, MemoryProfile, kv_cache_budget, num_blocks_for
+from vgraph.worker.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
+from vgraph.worker.kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_budget, num_blocks_for
 from vgraph.worker.sampler import SamplingMetadata
 
 GIB = 1 << 30
@@ -177,3 +179,35 @@ def test_profile_records_what_the_budget_needs(monkeypatch):
     prefill, decode = steps
     assert prefill.num_batched_tokens == 64, "the most tokens in one step"
     assert len(decode.scheduled) == 4 and decode.num_batched_tokens == 4, "the most sampled rows"
+
+
+def _anon_huge_kib() -> int:
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_cpu_kv_pools_are_zeroed_and_start_on_a_huge_page():
+    spec = KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, block_size=128, dtype=torch.float32)
+    caches = allocate_kv_caches(spec, 40, torch.device("cpu"))  # 5 MiB a pool
+    assert len(caches) == 2
+    for k, v in caches:
+        for pool in (k, v):
+            assert pool.shape == (40, 128, 4, 64) and pool.dtype == torch.float32 and pool.is_contiguous()
+            assert pool.data_ptr() % HUGE_PAGE_BYTES == 0 and not pool.any()
+    k, v = caches[0]
+    assert k.data_ptr() != v.data_ptr()
+    small = zeros_on_huge_pages((3, 5), torch.bfloat16)  # under one huge page: plain zeros
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages on this machine")
+def test_the_kernel_backs_a_cpu_pool_with_huge_pages():
+    before = _anon_huge_kib()
+    pool = zeros_on_huge_pages((64, 128, 8, 64), torch.float32)  # 16 MiB
+    # At least one 2 MiB page (how many the kernel finds free depends on fragmentation).
+    assert _anon_huge_kib() - before >= HUGE_PAGE_BYTES // 1024, "the pool got no huge page"
+    del pool

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import CacheConfig
+from .huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger("vgraph")
 
@@ -133,6 +134,12 @@ def usable_max_model_len(max_model_len: int, num_blocks: int, block_size: int, d
 
 
 def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's zeroed (K, V) pool; on CPU on huge pages, which the decode attention
+    streams faster (vgraph/worker/huge_pages.py)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
+
+    def pool() -> torch.Tensor:
+        if device.type == "cpu":
+            return zeros_on_huge_pages(shape, spec.dtype)
+        return torch.zeros(shape, dtype=spec.dtype, device=device)
+    return [(pool(), pool()) for _ in range(spec.num_layers)]
