@@ -131,3 +131,29 @@ def test_engine_stats_match_the_scheduler():
     assert final.num_preemptions > 0, "12 blocks cannot hold four 80-token requests"
     assert final.prefix_cache_hits > 0 and final.prefix_cache_queries >= final.prefix_cache_hits
     assert final.num_running == final.num_waiting == 0 and final.kv_usage == 0
+
+
+def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(engine):
+    """LLM.generate's requests: no output while they run, then the one a streaming caller
+    would have got last; their timings are reported as for any request."""
+    prompt = list(range(10, 10 + 2 * BUDGET))
+    engine.add_request("streamed", prompt, _params(5, n=2))
+    engine.add_request("final", prompt, _params(5, n=2), final_only=True)
+    engine.add_request("final-short", [5, 6, 7], _params(2), final_only=True)
+    steps = _run(engine)
+    outputs = defaultdict(list)
+    for step in steps:
+        for out in step.outputs:
+            outputs[out.request_id].append(out)
+    # One output per step in which a sequence of the streamed request advanced (its two
+    # sequences' prompts are prefilled in different steps), the last one finished.
+    assert len(outputs["streamed"]) >= 5 and [o.finished for o in outputs["streamed"]][-2:] == [False, True]
+    for rid in ("final", "final-short"):
+        assert len(outputs[rid]) == 1 and outputs[rid][0].finished
+    streamed, final = outputs["streamed"][-1], outputs["final"][0]
+    assert [c.token_ids for c in final.outputs] == [c.token_ids for c in streamed.outputs]
+    assert [c.text for c in final.outputs] == [c.text for c in streamed.outputs]
+    assert [c.finish_reason for c in final.outputs] == ["length", "length"]
+    timings = _by_request(steps)
+    assert _one(timings["final"], "e2e_latency") > 0 and _one(timings["final-short"], "time_to_first_token") > 0
+    assert not engine._groups, "finished final-only requests are forgotten"

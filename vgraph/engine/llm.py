@@ -79,7 +79,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, final_only=True)
                 ids.append(rid)
         except Exception:
             self.engine.abort_request(ids)  # nothing half-submitted stays in the engine

@@ -55,6 +55,7 @@ class _Group:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     arrival: float
+    final_only: bool = False  # the caller wants its output once, when it finishes
     sequences: list[_Sequence] = field(default_factory=list)
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
@@ -114,25 +115,29 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, *, final_only: bool = False) -> None:
         """Validates everything first: a bad request raises ValueError and touches nothing.
 
         ``arrival_time`` (``time.monotonic()``, default now) is when the request was submitted:
         a server passes the time it took the request, so queue time and latencies include the
         wait before the engine saw it.
+
+        ``final_only``: ``step`` returns this request's output only when it finishes, as
+        ``LLM.generate`` wants it. A streaming caller gets one per step: copying a growing
+        output (token ids, logprobs) every step is quadratic in its length.
         """
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params, arrival)
+            self._add_pooling_request(request_id, prompt, params, arrival, final_only)
             return
         params.validate(self.config.max_logprobs)
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammar_compiler.compile(spec)
-        group = _Group(request_id, text, ids, arrival)
+        group = _Group(request_id, text, ids, arrival, final_only)
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -146,14 +151,14 @@ class LLMEngine:
         self._admit_group(group)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                             arrival: float) -> None:
+                             arrival: float, final_only: bool) -> None:
         """A prefill-only request whose final hidden states are pooled into an embedding."""
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         check_prompt(ids, _PREFILL_ONLY, self.vocab_size, self.max_model_len)
         model = self.config.model
         pooling = PoolingState(params.pooling_type or model.pooling_type,
                                model.pooling_normalize if params.normalize is None else params.normalize)
-        group = _Group(request_id, text, ids, arrival)
+        group = _Group(request_id, text, ids, arrival, final_only)
         group.sequences.append(_Sequence(Request(request_id, ids, _PREFILL_ONLY, pooling=pooling), None))
         self._admit_group(group)
 
@@ -218,8 +223,9 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> StepOutput:
-        """Schedules, runs the model once, and returns the outputs of requests that advanced,
-        the timings of requests something happened to, and the engine's state after the step."""
+        """Schedules, runs the model once, and returns the outputs of requests that advanced
+        (of a ``final_only`` request, once it finishes), the timings of requests something
+        happened to, and the engine's state after the step."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return StepOutput([], [], self.stats())
@@ -236,7 +242,8 @@ class LLMEngine:
                 continue
             self._detokenize(self._groups[group_id], req)
             new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
-        outputs = [self._output(self._groups[gid]) for gid in new_tokens]
+        outputs = [self._output(group) for group in map(self._groups.__getitem__, new_tokens)
+                   if not group.final_only or group.finished]
         timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
                                 gid in new_tokens)
                    for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
