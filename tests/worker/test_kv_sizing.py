@@ -206,8 +206,9 @@ def test_cpu_kv_pools_are_zeroed_and_start_on_a_huge_page():
                     or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
                     reason="no transparent huge pages on this machine")
 def test_the_kernel_backs_a_cpu_pool_with_huge_pages():
+    pool = zeros_on_huge_pages((64, 128, 8, 64), torch.float32)  # 16 MiB, mapped when touched
     before = _anon_huge_kib()
-    pool = zeros_on_huge_pages((64, 128, 8, 64), torch.float32)  # 16 MiB
+    pool.fill_(1.0)
     # At least one 2 MiB page (how many the kernel finds free depends on fragmentation).
     assert _anon_huge_kib() - before >= HUGE_PAGE_BYTES // 1024, "the pool got no huge page"
     del pool
