@@ -48,8 +48,9 @@ def _cmd_ops(args: argparse.Namespace) -> int:
 
 def _ops_check(device: str) -> int:
     import torch
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    from vgraph.config import resolve_device
+    device = resolve_device(device)
     if device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but CUDA is not available")
     if device == "cpu":
@@ -112,10 +113,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _here_notes() -> dict[str, str]:
     """What the device-dependent defaults come to on this machine, for their help: the help
     says the rule per device, this says which side of it the user is on."""
-    import torch
-
-    from vgraph.config import CompileConfig
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    from vgraph.config import CompileConfig, resolve_device
+    kind = resolve_device("auto")
     default = CompileConfig()
     custom_ops = "on" if default.resolved_custom_ops(kind, quantized=False) else "off"
     return {"device": f"on this machine: {kind}",

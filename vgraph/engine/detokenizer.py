@@ -16,7 +16,9 @@ the pieces concatenate), which works for any Hugging Face tokenizer, special/add
 included. For a fast tokenizer whose class keeps the base class's ``decode``, that call is
 exactly the Rust tokenizer's own ``decode``, which is called directly: the Python wrapper
 (argument conversion that walks the ids) cost about as much as the decoding itself, twice
-per token of every sequence in every step. The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
+per token of every sequence in every step.
+
+The text therefore equals ``tokenizer.decode(output_ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False)``, except that the prompt's last tokens serve as context
 for the first output token (e.g. its leading space is kept, as in vLLM), and that bytes of a
 character the output never completes stay held back (no trailing U+FFFD).

@@ -242,8 +242,8 @@ class LLMEngine:
                 continue
             self._detokenize(self._groups[group_id], req)
             new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
-        outputs = [self._output(group) for group in map(self._groups.__getitem__, new_tokens)
-                   if not group.final_only or group.finished]
+        advanced_groups = [self._groups[gid] for gid in new_tokens]
+        outputs = [self._output(g) for g in advanced_groups if not g.final_only or g.finished]
         timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
                                 gid in new_tokens)
                    for gid in dict.fromkeys([*first_scheduled, *new_tokens])]

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..config import resolve_device
 from ..core.request import Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sampling_params import SamplingParams
@@ -191,8 +192,7 @@ def step_times(llms: dict[str, Any], bucket_list: list[Bucket], repeats: int,
 def warm_inductor(device: str = "auto") -> None:
     """Compiles a small function once on ``device``, so the process's one-time Inductor start-up
     (the C++ toolchain, or Triton's) is not charged to whichever variant compiles first."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(device)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x) * x.pow(2).mean(-1, keepdim=True).rsqrt()

@@ -19,6 +19,7 @@ pages; without ``MADV_HUGEPAGE`` (not Linux) the pool is ``torch.zeros``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 
@@ -35,10 +36,8 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         return torch.zeros(shape, dtype=dtype)
     # One huge page more than needed, so that the tensor can start on a 2 MiB boundary.
     region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
+    with contextlib.suppress(OSError):  # THP compiled out or refused: the same memory, small pages
         region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or refused: the same memory on small pages
-        pass
     raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping until it is freed
     start = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[start:start + nbytes].view(dtype).view(shape)
