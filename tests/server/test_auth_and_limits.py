@@ -61,6 +61,31 @@ def test_the_right_key_works_and_open_routes_stay_open(guarded):
     assert guarded.post("/detokenize", {"tokens": [5]}, headers=AUTH).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/tokenize/", "/detokenize/", "/v1/completions/", "/v1/models/",
+                                  "/v1/chat/completions//"])
+def test_trailing_slashes_are_checked_and_never_redirected(guarded, path):
+    """A trailing slash is the same protected path: 401 without the key, before any redirect
+    (which would build its Location from the client's Host header); with the key, a 404 (a 405
+    where the slash makes another route's path: POST to ``/v1/models/{id}``)."""
+    body = {"prompt": "hi", "tokens": [5]}
+    for headers, statuses in [({"Host": "evil.example"}, {401}), ({**AUTH, "Host": "evil.example"}, {404, 405})]:
+        response = httpx.post(guarded.url + path, json=body, headers=headers, timeout=30)
+        assert response.status_code in statuses and "location" not in response.headers, (path, response.headers)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_two_authorization_headers_are_refused(guarded):
+    """Two Authorization headers, the right key in either place: a 400, not the first one's verdict."""
+    for pair in [[AUTH["Authorization"], "Bearer wrong"], ["Bearer wrong", AUTH["Authorization"]],
+                 [AUTH["Authorization"]] * 2]:
+        headers = httpx.Headers([("Authorization", value) for value in pair])
+        response = httpx.post(guarded.url + "/tokenize", json={"prompt": "hi"}, headers=headers, timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "duplicate_authorization"
+    assert httpx.get(guarded.url + "/health", headers=httpx.Headers([("Authorization", "a"), ("Authorization", "b")]),
+                     timeout=10).status_code == 200  # open routes ignore the header
+
+
 @pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr"])
 def test_the_scheme_is_case_insensitive(guarded, scheme):
     headers = {"Authorization": f"{scheme}  {KEY}"}

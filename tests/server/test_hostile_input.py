@@ -185,12 +185,14 @@ def test_requests_at_the_limits_are_served(server):
     assert server.post("/detokenize", {"tokens": [5] * 512}).status_code == 200
 
 
-@pytest.mark.parametrize("prompt", [[5, -1], [5, 2**70], [[5], [7, 10**6]]])
-def test_bad_token_ids_with_echo_are_a_400(server, reference_text, prompt):
+@pytest.mark.parametrize("prompt,code,words", [([5, -1], "prompt_out_of_range", "must be a token id in [0, "),
+                                               ([5, 2**70], "prompt_out_of_range", "must be a token id in [0, "),
+                                               ([[5], [7, 10**6]], None, "outside the vocabulary")])
+def test_bad_token_ids_with_echo_are_a_400(server, reference_text, prompt, code, words):
     """echo decodes token-id prompts: only once the engine has accepted them (the tokenizer's
     binding raised OverflowError on a negative id, a 500)."""
     error = _assert_error(server.post("/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 2}),
-                          400, None, None, "outside the vocabulary")
+                          400, "prompt", code, words)
     assert "token id" in error["message"]
     echoed = server.post("/v1/completions", {"prompt": [[5, 6]], "echo": True, "max_tokens": 2})
     expected = server.post("/detokenize", {"tokens": [5, 6]}).json()["prompt"]

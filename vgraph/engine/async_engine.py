@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 
 from ..sampling_params import SamplingParams
-from .inputs import PromptType
+from .inputs import InputError, PromptType
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .stats import EngineStats, RequestTiming, StepOutput
@@ -163,11 +163,26 @@ def check_admission(error: Optional[BaseException], stopped: bool, ready: bool, 
                              f"{sequences} (--max-queue-len {limit} counts prompts x n)")
 
 
+@dataclass(eq=False)
+class _Submission:
+    """One submission between its booking and the engine's answer (see ``OneEngineFront._admit``)."""
+
+    sequences: int
+    accepted: asyncio.Future
+    booked_at: float
+
+
+# A submission the engine has not answered in this long, while it is alive and ready, means the
+# admission bookkeeping is stuck: /health reports it (the engine answers adds between steps).
+STALLED_ADMISSION_S = 60.0
+
+
 class OneEngineFront(StreamingFront):
     """What the two fronts of one engine share (the engine on a thread, ``AsyncEngine``; in its
-    own process, ``EngineCoreClient``): readiness, the queue length admission counts, and handing
-    a step's outputs to the callers waiting for them. Subclasses set ``_ready``, ``error``,
-    ``stats``, ``_pending_adds``, ``_collectors`` and ``on_step`` in ``__init__``."""
+    own process, ``EngineCoreClient``): readiness, admission and the queue length it counts, and
+    handing a step's outputs to the callers waiting for them. Subclasses set ``_ready``,
+    ``error``, ``stats``, ``_in_flight``, ``_collectors`` and ``on_step`` in ``__init__``, and
+    implement ``_check_accepting``, ``abort`` and ``_forget``."""
 
     @property
     def ready(self) -> bool:
@@ -181,8 +196,59 @@ class OneEngineFront(StreamingFront):
 
     @property
     def queue_length(self) -> int:
-        """Sequences submitted but not yet running: the last waiting count plus unseen submissions."""
-        return self.stats.num_waiting + self._pending_adds
+        """Sequences submitted but not yet running: the last waiting count plus the submissions
+        the engine has not answered yet."""
+        return self.stats.num_waiting + sum(s.sequences for s in self._in_flight)
+
+    def admission_stall(self, now: Optional[float] = None) -> Optional[str]:
+        """Why admission looks stuck (a submission unanswered for ``STALLED_ADMISSION_S`` by a
+        live, ready engine), or None; ``/health`` reports it."""
+        if self.error is not None or not self._ready.is_set() or not self._in_flight:
+            return None
+        oldest = min(s.booked_at for s in self._in_flight)
+        waited = (time.monotonic() if now is None else now) - oldest
+        if waited < STALLED_ADMISSION_S:
+            return None
+        return f"{len(self._in_flight)} submission(s) have waited {waited:.0f} s for the engine to accept them"
+
+    async def _admit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
+                     send: Callable[[OutputCollector, asyncio.Future], None]) -> OutputCollector:
+        """Submits requests atomically: all are accepted, or none is and the error is raised.
+
+        The one place where admission is booked: the submission counts in ``queue_length`` from
+        here until the engine answers, and the booking is released however this ends (accepted,
+        refused, ``send`` raising, the engine dying, the caller cancelled), so no failure can
+        leave the server counting sequences that no engine holds. ``send`` hands the items to
+        the engine, which resolves the future when it has added them (or refused them).
+        """
+        sequences = _num_sequences(items)
+        self._check_accepting(sequences)
+        collector = OutputCollector([rid for rid, _, _ in items])
+        for rid in collector.request_ids:
+            if rid in self._collectors:
+                raise ValueError(f"request id {rid!r} is already in use")
+        submission = _Submission(sequences, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._in_flight.add(submission)
+        try:
+            for rid in collector.request_ids:
+                self._collectors[rid] = collector
+            send(collector, submission.accepted)
+            await asyncio.shield(submission.accepted)
+        except asyncio.CancelledError:
+            self.abort(collector.request_ids)
+            raise
+        except BaseException:
+            self._forget(collector.request_ids)
+            raise
+        finally:
+            self._in_flight.discard(submission)
+        return collector
+
+    def _fail_submissions(self, error: EngineDeadError) -> None:
+        """Wakes every caller waiting for the engine to accept its submission with ``error``."""
+        for submission in self._in_flight:
+            if not submission.accepted.done():
+                submission.accepted.set_exception(error)
 
     def _deliver(self, step: StepOutput) -> None:
         """Called on the event loop with each step: every output to its collector, then the
@@ -221,8 +287,7 @@ class AsyncEngine(OneEngineFront):
         self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._collectors: dict[str, OutputCollector] = {}
-        self._pending_adds = 0  # sequences submitted that the engine thread has not taken yet
-        self._unanswered: set[asyncio.Future] = set()  # acceptance futures of those submissions
+        self._in_flight: set[_Submission] = set()  # submissions the engine thread has not answered
         self._traced: set[type] = set()  # exception types whose traceback was logged (engine thread)
         self._ready = asyncio.Event()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -266,10 +331,7 @@ class AsyncEngine(OneEngineFront):
         for collector in set(self._collectors.values()):
             collector._fail(error)
         self._collectors.clear()
-        for future in self._unanswered:
-            if not future.done():
-                future.set_exception(error)
-        self._unanswered.clear()
+        self._fail_submissions(error)
 
     # ------------------------------------------------------------------ requests (event loop)
 
@@ -281,34 +343,19 @@ class AsyncEngine(OneEngineFront):
         ``QueueFullError``, ``EngineNotReadyError`` or ``EngineDeadError``. Cancelling the caller
         while it waits aborts whatever was accepted.
         """
-        sequences = _num_sequences(items)
-        self._check_accepting(sequences)
-        collector = OutputCollector([rid for rid, _, _ in items])
-        for rid in collector.request_ids:
-            if rid in self._collectors:
-                raise ValueError(f"request id {rid!r} is already in use")
-        accepted = asyncio.get_running_loop().create_future()
-        for rid in collector.request_ids:
-            self._collectors[rid] = collector
-        self._pending_adds += sequences
-        self._unanswered.add(accepted)
-        self._commands.put(_Add(list(items), collector, accepted, time.monotonic()))
-        try:
-            await asyncio.shield(accepted)
-        except asyncio.CancelledError:
-            self.abort(collector.request_ids)
-            raise
-        except BaseException:
-            for rid in collector.request_ids:
-                self._collectors.pop(rid, None)
-            raise
-        return collector
+        submitted = time.monotonic()
+        return await self._admit(items, lambda collector, accepted: self._commands.put(
+            _Add(list(items), collector, accepted, submitted)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stops requests and frees their KV blocks; unknown or finished ids are ignored."""
         ids = [rid for rid in request_ids if self._collectors.pop(rid, None) is not None]
         if ids and self._thread is not None and self._thread.is_alive():
             self._commands.put(_Abort(ids))
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._collectors.pop(rid, None)
 
     def _check_accepting(self, sequences: int) -> None:
         check_admission(self.error, self._stopped.is_set(), self._ready.is_set(), self.max_queue_len,
@@ -328,8 +375,6 @@ class AsyncEngine(OneEngineFront):
             self.on_fatal(error)
 
     def _on_accepted(self, command: _Add, error: Optional[BaseException]) -> None:
-        self._pending_adds -= _num_sequences(command.items)
-        self._unanswered.discard(command.accepted)
         if not command.accepted.done():
             if error is None:
                 command.accepted.set_result(None)
@@ -421,7 +466,7 @@ def add_atomically(engine: LLMEngine, items: Sequence[tuple[str, PromptType, Sam
         engine.abort_request(added)
         if len(items) > 1 and isinstance(exc, ValueError):
             index = next(i for i, item in enumerate(items) if item[0] not in added)
-            exc = ValueError(f"prompt {index}: {exc}")
+            exc = exc.for_prompt(index) if isinstance(exc, InputError) else ValueError(f"prompt {index}: {exc}")
         elif not isinstance(exc, ValueError):  # one line per request; the traceback only when debugging
             logger.error("adding request %s failed: %s: %s", items[0][0], type(exc).__name__, exc)
             if type(exc) not in traced:

@@ -34,11 +34,12 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 from ..sampling_params import SamplingParams
 from .async_engine import (EngineDeadError, EngineProcessDiedError, EngineShutdownError, OutputCollector,
-                           OneEngineFront, _num_sequences, check_admission)
+                           OneEngineFront, _Submission, check_admission)
 from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
-                         decode_delta, decode_error, decode_stats, decode_timing, encode_params, pack, unpack)
+                         decode_delta, decode_error, decode_stats, decode_timing, encode_message, encode_params,
+                         pack, unpack)
 from .core_process import CoreProcessConfig, run_engine_core
-from .inputs import PromptType, check_prompt, prompt_to_ids
+from .inputs import InputError, PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
 from .stats import EngineStats, StepOutput
 
@@ -66,8 +67,8 @@ class EngineCoreClient(OneEngineFront):
         self._early_tokenizer: Optional[tuple[str, asyncio.Future]] = None  # (path, its load) while the core starts
         self._outputs: Optional[OutputProcessor] = None
         self._collectors: dict[str, OutputCollector] = {}
-        self._pending_adds = 0  # sequences submitted that the core has not answered yet
-        self._unanswered: dict[int, tuple[asyncio.Future, int]] = {}  # batch id -> (future, sequences)
+        self._in_flight: set[_Submission] = set()  # submissions the core has not answered (OneEngineFront._admit)
+        self._unanswered: dict[int, asyncio.Future] = {}  # batch id -> its acceptance future
         self._batch_ids = itertools.count()
         self._ready = asyncio.Event()
         self._stopping = False
@@ -173,42 +174,33 @@ class EngineCoreClient(OneEngineFront):
         for collector in set(self._collectors.values()):
             collector._fail(error)
         self._collectors.clear()
-        for future, _ in self._unanswered.values():
-            if not future.done():
-                future.set_exception(error)
+        self._fail_submissions(error)
         self._unanswered.clear()
-        self._pending_adds = 0
 
     # ------------------------------------------------------------------ requests
 
     async def add_requests(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> OutputCollector:
         """Submits requests atomically, as ``AsyncEngine.add_requests`` (same errors)."""
-        sequences = _num_sequences(items)
-        self._check_accepting(sequences)
-        collector = OutputCollector([rid for rid, _, _ in items])
-        for rid in collector.request_ids:
-            if rid in self._collectors:
-                raise ValueError(f"request id {rid!r} is already in use")
+        return await self._admit(items, lambda collector, accepted: self._send_add(items, accepted))
+
+    def _send_add(self, items: Sequence[tuple[str, PromptType, SamplingParams]], accepted: asyncio.Future) -> None:
+        """Checks and tokenizes the prompts and encodes the submission first, so that one the
+        core would refuse or the codec cannot carry fails before anything is registered; then
+        registers it with the output processor and sends it."""
         prompts = self._token_ids(items)
         batch_id = next(self._batch_ids)
-        accepted = asyncio.get_running_loop().create_future()
+        message = encode_message([ADD, batch_id, time.monotonic(),
+                                  [[rid, ids, encode_params(params)]
+                                   for (rid, _, params), (_, ids) in zip(items, prompts)]])
         assert self._outputs is not None
         for (rid, _, params), (text, ids) in zip(items, prompts):
-            self._collectors[rid] = collector
             self._outputs.add(rid, text, ids, params)
-        self._pending_adds += sequences
-        self._unanswered[batch_id] = (accepted, sequences)
-        self._send([ADD, batch_id, time.monotonic(),
-                    [[rid, ids, encode_params(params)] for (rid, _, params), (_, ids) in zip(items, prompts)]])
+        self._unanswered[batch_id] = accepted
         try:
-            await asyncio.shield(accepted)
-        except asyncio.CancelledError:
-            self.abort(collector.request_ids)
-            raise
+            self._send_bytes(message)
         except BaseException:
-            self._forget(collector.request_ids)
+            self._unanswered.pop(batch_id, None)
             raise
-        return collector
 
     def _token_ids(self, items: Sequence[tuple[str, PromptType, SamplingParams]]) -> list[tuple[Optional[str], list[int]]]:
         """Each prompt as (text, token ids), checked as ``LLMEngine.add_request`` checks it (the
@@ -218,6 +210,8 @@ class EngineCoreClient(OneEngineFront):
         for i, (_, prompt, params) in enumerate(items):
             try:
                 out.append(self._checked_ids(prompt, params))
+            except InputError as exc:
+                raise exc.for_prompt(i) if len(items) > 1 else exc from None
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}" if len(items) > 1 else str(exc)) from None
         return out
@@ -248,11 +242,14 @@ class EngineCoreClient(OneEngineFront):
         return self.process is not None and self.error is None and not self._stopping and self._zmq is not None
 
     def _send(self, message: list) -> None:
+        self._send_bytes(pack(message))
+
+    def _send_bytes(self, data: bytes) -> None:
         import zmq
         try:
-            self._zmq[1].send(pack(message), flags=zmq.NOBLOCK)
+            self._zmq[1].send(data, flags=zmq.NOBLOCK)
         except zmq.Again:  # no core connected: it exited (its sentinel tells the rest)
-            logger.debug("the engine-core process is not connected; %r not sent", message[0])
+            logger.debug("the engine-core process is not connected; a message was not sent")
 
     def _check_accepting(self, sequences: int) -> None:
         check_admission(self.error, self._stopping, self._ready.is_set(), self.max_queue_len,
@@ -309,8 +306,7 @@ class EngineCoreClient(OneEngineFront):
             self.on_fatal(error)
 
     def _on_accepted(self, batch_id: int, error: Optional[list]) -> None:
-        future, sequences = self._unanswered.pop(batch_id, (None, 0))
-        self._pending_adds -= sequences
+        future = self._unanswered.pop(batch_id, None)
         if future is not None and not future.done():
             if error is None:
                 future.set_result(None)

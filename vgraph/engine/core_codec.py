@@ -39,6 +39,15 @@ def pack(message: list) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+def encode_message(message: list) -> bytes:
+    """``pack`` for a message built from a caller's input: what msgpack cannot carry (an int
+    beyond 64 bits, an unknown type) is the caller's ``ValueError``, not a server error."""
+    try:
+        return pack(message)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"the request cannot be sent to the engine process: {exc}") from None
+
+
 def unpack(data: bytes) -> list:
     # Int map keys are token ids (logprobs); lists stay lists (no tuples).
     return msgpack.unpackb(data, raw=False, strict_map_key=False)

@@ -55,6 +55,7 @@ class Replica(Protocol):
     async def shutdown(self, timeout: float = 30.0) -> None: ...
     async def add_requests(self, items: Items) -> OutputCollector: ...
     def abort(self, request_ids: Iterable[str]) -> None: ...
+    def admission_stall(self) -> Optional[str]: ...
 
 
 def _replica_fact(name: str, doc: str) -> property:
@@ -106,6 +107,14 @@ class DataParallelEngine(StreamingFront):
     def stats(self) -> EngineStats:
         """The server-level state: sums over the replicas, KV usage their mean."""
         return aggregate_stats([replica.stats for replica in self.replicas])
+
+    def admission_stall(self) -> Optional[str]:
+        """The first replica whose admission looks stuck, and why (see ``OneEngineFront``)."""
+        for index, replica in enumerate(self.replicas):
+            stall = replica.admission_stall()
+            if stall is not None:
+                return f"replica {index}: {stall}"
+        return None
 
     def start(self) -> None:
         for replica in self.replicas:

@@ -9,6 +9,19 @@ from ..sampling_params import SamplingParams
 PromptType = Union[str, list[int], dict]
 
 
+class InputError(ValueError):
+    """Input the engine cannot serve; ``param`` names the request field at fault (``prompt``,
+    ``max_tokens``, ``stop_token_ids``), so the server's 400 can name it too."""
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def for_prompt(self, index: int) -> "InputError":
+        """The same error, said of prompt ``index`` of several."""
+        return InputError(f"prompt {index}: {self}", self.param)
+
+
 def prompt_to_ids(prompt: PromptType, tokenizer: Any) -> tuple[Optional[str], list[int]]:
     """A string, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
     if isinstance(prompt, dict):
@@ -35,23 +48,27 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
                  max_model_len: int) -> SamplingParams:
     """Raises ValueError for prompts the engine cannot serve; returns params with max_tokens set."""
     if not ids:
-        raise ValueError("the prompt is empty (no tokens)")
+        raise InputError("the prompt is empty (no tokens)", "prompt")
     bad = [t for t in ids if t < 0 or t >= vocab_size]
     if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
+    unknown_stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if unknown_stops:  # it could never be sampled: a typo the caller should hear about
+        raise InputError(f"stop_token_ids: token id {unknown_stops[0]} is outside the vocabulary "
+                         f"[0, {vocab_size})", "stop_token_ids")
     if params.max_tokens == 0:  # prefill only (echo, scoring, pooling): the prompt may fill the context
         if len(ids) > max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}")
+            raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}", "prompt")
         return params
     if len(ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
-                         "which must leave room for at least one generated token")
+        raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
+                         "which must leave room for at least one generated token", "prompt")
     room = max_model_len - len(ids)
     if params.max_tokens is None:
         return _with_max_tokens(params, room)
     if params.max_tokens > room:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                         f"max_model_len ({max_model_len})")
+        raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})", "max_tokens")
     return params
 
 

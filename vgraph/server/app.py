@@ -52,8 +52,10 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
             await engine.shutdown()
             state.close()
 
+    # No trailing-slash redirects: a wrong path is a 404, never a 307 to an address built from
+    # the client's Host header (see auth.py).
     app = FastAPI(title="vgraph", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = state
     install_error_handlers(app)
     for module in (routes_completions, routes_chat, routes_embeddings, routes_misc):

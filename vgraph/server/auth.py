@@ -8,6 +8,11 @@ run the tokenizer on whatever the caller sends, work an anonymous client should 
 to ask of a server that requires a key. ``/health``, ``/metrics`` and ``/version`` stay open,
 as in vLLM, for load balancers and scrapers.
 
+A path is protected with or without a trailing slash (``/tokenize/``), and the app redirects no
+trailing slashes (``app.py``): such a redirect would answer before the key is checked, with a
+``Location`` built from the client's own ``Host`` header. A request with more than one
+``Authorization`` header is refused (400) rather than judged by whichever comes first.
+
 The scheme is case-insensitive (``bearer KEY`` works, as RFC 7235 says of auth schemes); the
 key is compared in constant time (``hmac.compare_digest`` on bytes) so response timing leaks
 nothing about it.
@@ -37,11 +42,13 @@ class APIKeyMiddleware:
         if scope["type"] != "http" or not _protected(scope.get("path", "")) or scope.get("method") == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        given = b""
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                given = value
-                break
+        headers = [value for name, value in scope.get("headers", []) if name == b"authorization"]
+        if len(headers) > 1:
+            response = error_response(APIError(400, f"{len(headers)} Authorization headers: send exactly one",
+                                               param="Authorization", code="duplicate_authorization"))
+            await response(scope, receive, send)
+            return
+        given = headers[0] if headers else b""
         if hmac.compare_digest(bearer_token(given), self._key):
             await self.app(scope, receive, send)
             return
@@ -62,4 +69,5 @@ def bearer_token(header: bytes) -> bytes:
 
 
 def _protected(path: str) -> bool:
+    path = path.rstrip("/") or "/"
     return path in PROTECTED_PATHS or path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")

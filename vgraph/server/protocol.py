@@ -7,9 +7,19 @@ change nothing here; fields that *would* change the result but are not supported
 (``logit_bias``, ``suffix``, ``best_of`` > n) are rejected explicitly instead of being ignored.
 Structured-output fields (``response_format`` and vLLM's ``guided_*`` / ``structured_outputs``)
 are read by ``structured.py``.
+
+Every integer a request may carry has a range (``INT_RANGES``), checked in ``validate`` for
+every route, so a number is refused with a 400 naming its field before anything else sees it:
+nothing past these bounds reaches the sampler, the tokenizer or the engine process's codec
+(msgpack carries at most 64 bits; one value beyond that once failed the send and wedged
+admission). The ranges are generous where the engine narrows them further with its own facts
+(``max_tokens`` against ``max_model_len``, token ids against the vocabulary, ``logprobs``
+against ``--max-logprobs``); ``test_integer_bounds.py`` sends the boundary values to every route
+on both engine layouts.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal, Optional, Union
 
@@ -23,6 +33,32 @@ MAX_N = 128  # choices per prompt, OpenAI's limit
 # Seeds seed torch's 64-bit generator, and choice i of a request uses seed + i: a signed 64-bit
 # seed plus at most MAX_N - 1 still fits the unsigned 64 bits torch accepts.
 SEED_RANGE = (-2**63, 2**63 - 1)
+
+
+INT32_MAX = 2**31 - 1
+TOKEN_ID_RANGE = (0, INT32_MAX)  # any token id; the engine checks it against the vocabulary
+
+# The inclusive range of every integer request field, by field name, on every route that has
+# it (for lists, of every item: stop_token_ids, and token-id prompts, inputs and tokens).
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "n": (1, MAX_N),
+    "best_of": (1, MAX_N),
+    "max_tokens": (0, INT32_MAX),  # 0 only with echo; the prompt plus it must fit max_model_len
+    "max_completion_tokens": (0, INT32_MAX),
+    "min_tokens": (0, INT32_MAX),
+    "top_k": (-1, INT32_MAX),  # -1 or 0: off; above the vocabulary size: every token
+    "seed": SEED_RANGE,
+    "logprobs": (0, INT32_MAX),  # completions; at most --max-logprobs
+    "top_logprobs": (0, INT32_MAX),  # chat; at most --max-logprobs
+    "stop_token_ids": TOKEN_ID_RANGE,
+    "prompt": TOKEN_ID_RANGE,  # /v1/completions token-id prompts
+    "input": TOKEN_ID_RANGE,  # /v1/embeddings token-id inputs
+    "tokens": TOKEN_ID_RANGE,  # /detokenize
+}
+_RANGE_NAMES = {SEED_RANGE: "a 64-bit signed integer", TOKEN_ID_RANGE: "a token id"}
+# Float fields have their ranges in SamplingParams.validate; all of them must be finite
+# (``1e400`` parses as infinity).
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class _Strict(BaseModel):
@@ -67,11 +103,6 @@ class _GenerationFields(_Strict):
     def check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if self.n > MAX_N:
-            raise bad_request(f"n must be at most {MAX_N}, got {self.n}", "n")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise bad_request(f"seed must be a 64-bit signed integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]; "
-                              f"got {self.seed}", "seed", code="seed_out_of_range")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
 
@@ -270,7 +301,7 @@ def param_from_message(message: str) -> Optional[str]:
 def validate(model_cls: type[_Strict], obj: dict[str, Any]) -> Any:
     """``model_cls`` from a JSON object; the first problem becomes a 400 naming its field."""
     try:
-        return model_cls.model_validate(obj)
+        request = model_cls.model_validate(obj)
     except ValidationError as exc:
         errors = exc.errors()
         first = errors[0]
@@ -281,6 +312,33 @@ def validate(model_cls: type[_Strict], obj: dict[str, Any]) -> Any:
         else:
             message = f"invalid value for '{where}': {first['msg']}"
         raise bad_request(message, param) from None
+    check_ranges(request)
+    return request
+
+
+def check_ranges(request: BaseModel) -> None:
+    """A 400 naming the first number outside its field's range (``INT_RANGES``) or not finite."""
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        if name in INT_RANGES:
+            low, high = INT_RANGES[name]
+            bad = next((x for x in _ints(value) if not low <= x <= high), None)
+            if bad is not None:
+                what = _RANGE_NAMES.get((low, high), "an integer")
+                each = " (each item)" if isinstance(value, list) else ""
+                raise bad_request(f"{name}{each} must be {what} in [{low}, {high}]; got {bad}", name,
+                                  code=f"{name}_out_of_range")
+        elif name in FLOAT_FIELDS and isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number; got {value}", name, code=f"{name}_out_of_range")
+
+
+def _ints(value: Any) -> list[int]:
+    """The integers in a field's value: itself, or the items of its (nested) lists."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [x for item in value for x in _ints(item)]
+    return []
 
 
 def _is_union_tag(loc: Any) -> bool:

@@ -34,7 +34,8 @@ def _state(request: Request) -> ServerState:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    """200 once the engine is ready; 503 while loading, after a fatal error, or while draining."""
+    """200 once the engine is ready; 503 while loading, after a fatal error, while draining, or
+    when admission is stuck (submissions the engine has not answered for a minute)."""
     state = _state(request)
     engine = state.engine
     if engine.error is not None:
@@ -44,6 +45,9 @@ async def health(request: Request) -> Response:
         raise APIError(503, "the server is shutting down", code="shutting_down")
     if not engine.ready:
         raise APIError(503, "the model is still loading", code="not_ready", headers={"Retry-After": "5"})
+    stall = engine.admission_stall()
+    if stall is not None:
+        raise APIError(503, f"admission is stuck: {stall}", code="admission_stalled")
     return JSONResponse({"status": "ok"})
 
 

@@ -207,15 +207,20 @@ class ServerState:
         return constrained
 
     async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
-                     prompt_param: str = "prompt") -> OutputCollector:
-        """Hands requests to the engine, mapping its refusals to HTTP errors."""
+                     prompt_param: str = "prompt", field_names: Optional[dict[str, str]] = None) -> OutputCollector:
+        """Hands requests to the engine, mapping its refusals to HTTP errors. A refusal names
+        the request's own field: ``prompt_param`` for the prompt (chat's ``messages``),
+        ``field_names`` for sampling fields sent under another name (chat's
+        ``max_completion_tokens``)."""
         try:
             return await self.engine.add_requests(items)
         except RequestTooLargeError as exc:
             many = any(params.n > 1 for _, _, params in items)
             raise bad_request(str(exc), "n" if many else prompt_param, code="too_many_sequences") from None
         except ValueError as exc:
-            raise bad_request(str(exc), param_from_message(str(exc))) from None
+            param = getattr(exc, "param", None) or param_from_message(str(exc))
+            param = prompt_param if param == "prompt" else (field_names or {}).get(param or "", param)
+            raise bad_request(str(exc), param) from None
         except QueueFullError as exc:
             raise APIError(503, f"the server is overloaded: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None
