@@ -70,17 +70,32 @@ def cli_reference() -> str:
     lines += ["Commands:", ""]
     lines += [f"- [`vgraph {name}`](#vgraph-{name}): {_help_of(parser, name)}" for name in commands]
     lines.append("")
+    engine_groups: dict[str, tuple[argparse.ArgumentParser, list[argparse.Action]]] = {}
     for name, command in commands.items():
         about = _help_of(parser, name)
         lines += [f"## vgraph {name}", "", about[:1].upper() + about[1:] + ".", "", "```text", _usage(command), "```", ""]
+        takes_engine_options = False
         for group in command._action_groups:
             actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
             if not actions:
                 continue
+            if (group.title or "").startswith("engine options"):  # the same on every command: listed once
+                # ("engine options (ModelConfig), for both variants" on passes report: the same fields)
+                engine_groups.setdefault(group.title.split(",")[0], (command, actions))
+                takes_engine_options = True
+                continue
             title = {"positional arguments": "Arguments", "options": "Options"}.get(group.title, group.title)
-            engine = (group.title or "").startswith("engine options")
             lines += [f"### {title[0].upper() + title[1:]}", ""]
-            lines += _actions_table(command, actions, keyword=engine)
+            lines += _actions_table(command, actions, keyword=False)
+        if takes_engine_options:
+            lines += [f"`vgraph {name}` also takes every [engine option](#engine-options).", ""]
+    lines += ["## Engine options", "",
+              "Taken by every command that builds an engine (`generate`, `compile`, `serve`, "
+              "`passes report`); each is a field of a config dataclass in `vgraph/config.py` and an "
+              "`LLM(...)` keyword of the same name.", ""]
+    for title, (command, actions) in engine_groups.items():
+        lines += [f"### {title[0].upper() + title[1:]}", ""]
+        lines += _actions_table(command, actions, keyword=True)
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +135,7 @@ def _actions_table(parser: argparse.ArgumentParser, actions, keyword: bool) -> l
         text = formatter._expand_help(action) if action.help else ""
         text = html.escape(" ".join(text.split()), quote=False).replace("|", "\\|")
         if keyword and action.dest not in (argparse.SUPPRESS, None):
-            text += f" LLM keyword: `{action.dest}`."
+            text = text.rstrip(". ") + f". LLM keyword: `{action.dest}`."
         rows.append(f"| {names} | {value} | {text} |")
     if not rows:
         return []
