@@ -21,7 +21,7 @@ line start, as a prompt does (``def fibonacci(n):`` then gets a function body, n
         --out vgraph/models/demo-model-v1
 
 Smoke test (seconds): ``python examples/train_demo_model.py --tiny --max-steps 3 --out /tmp/m``.
-The loss over the whole validation split of a saved checkpoint (what the README quotes)::
+The loss over the whole validation split of a saved checkpoint (what docs/getting-started.md quotes)::
 
     python examples/train_demo_model.py --eval-only --out vgraph/models/demo-model-v1
 """

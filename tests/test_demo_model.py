@@ -106,7 +106,7 @@ def test_greedy_tokens_equal_transformers_compiled():
 
 
 def test_fibonacci_completion_reads_as_python(demo_llm):
-    """The README's request: greedy with a presence penalty, so the same text every run. A
+    """The request of docs/getting-started.md: greedy with a presence penalty, so the same text every run. A
     top-level function body (4-space indent, not a method's 8), a check and a return, and
     every whole line it wrote parses."""
     params = SamplingParams(temperature=0.0, presence_penalty=0.5, max_tokens=64)
@@ -120,11 +120,12 @@ def test_fibonacci_completion_reads_as_python(demo_llm):
     ast.parse("\n".join(complete))
 
 
-def test_readme_shows_the_completion_the_model_gives(demo_llm):
-    """The README's curl asks for it; the block under it is what comes back, prompt first."""
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    body = json.loads(re.search(r"-d '(\{[^']*def fibonacci[^']*\})'", readme).group(1))
-    shown = re.search(r"completion's `choices\[0\]\.text`.*?:\n\n```python\n(.*?)```", readme, re.DOTALL).group(1)
+def test_docs_show_the_completion_the_model_gives(demo_llm):
+    """The curl of docs/getting-started.md (once the README's) asks for it; the block under it
+    is what comes back, prompt first."""
+    page = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    body = json.loads(re.search(r"-d '(\{[^']*def fibonacci[^']*\})'", page).group(1))
+    shown = re.search(r"completion's `choices\[0\]\.text`.*?:\n\n```python\n(.*?)```", page, re.DOTALL).group(1)
     params = SamplingParams(temperature=body["temperature"], presence_penalty=body["presence_penalty"],
                             max_tokens=body["max_tokens"])
     (out,) = demo_llm.generate([body["prompt"]], params, use_tqdm=False)
