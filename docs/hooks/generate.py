@@ -11,6 +11,9 @@ At every build, before MkDocs reads the navigation:
   ``perf/README.md`` as they are in the repository (each file stays where it is and is the one
   copy; the site shows it).
 
+And in the text of the pages (``on_page_markdown``), each ``<!-- generated: NAME -->`` marker
+becomes the table ``NAME`` renders: ``request-ranges`` is ``vgraph.server.protocol.INT_RANGES``.
+
 Generated files live only in the build: nothing is written into ``docs/``.
 """
 from __future__ import annotations
@@ -35,6 +38,25 @@ def on_files(files: Files, config) -> Files:
     for png in sorted((ROOT / "perf" / "results").glob("*.png")):
         files.append(File.generated(config, f"performance/plots/{png.name}", abs_src_path=str(png)))
     return files
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    for name, render in MARKERS.items():
+        marker = f"<!-- generated: {name} -->"
+        if marker in markdown:
+            markdown = markdown.replace(marker, render())
+    return markdown
+
+
+def request_ranges() -> str:
+    """The range of every integer request field, from the table the server checks."""
+    from vgraph.server.protocol import INT_RANGES
+    rows = ["| field | minimum | maximum |", "| --- | --- | --- |"]
+    rows += [f"| `{name}` | {low} | {high} |" for name, (low, high) in INT_RANGES.items()]
+    return "\n".join(rows)
+
+
+MARKERS = {"request-ranges": request_ranges}
 
 
 def performance_results() -> str:
