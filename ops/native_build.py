@@ -7,16 +7,28 @@ about a second. It is the compiler Inductor's CPU backend needs anyway (``$CXX``
 
 Cache: ``$VGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/vgraph/kernels``), one file per
 hash of the source (with the headers beside it), the compiler's version, the flags and this
-CPU's feature flags (the build targets ``-march=native``). Builds land in a temporary file renamed into place, so
-concurrent first users each end with one complete library. A cache that cannot be written
+CPU's feature flags (the build targets ``-march=native``). Builds land in a temporary file
+renamed into place, so concurrent first users each end with one complete library; then its
+length and sha256 are recorded beside it (``<name>-<key>.so.sha256``, file_digest.py).
+
+Every load checks the library against that record first, because a damaged library cannot
+be caught by loading it: it is mapped, so a truncated one kills the process with SIGBUS and a
+bit-flipped one with SIGILL, on every start, before Python sees anything. A library that does
+not match its record (truncated, bytes flipped) or has none (built by an older vgraph) is
+never loaded: it is built again, with one warning naming the file and why. Checking and
+building hold an ``flock`` on the kernel directory, so a record always describes the file
+beside it, even with several processes starting at once. A cache that cannot be written
 (read-only, full, a file in the way) builds into one temporary directory for this process
-instead, with one warning for all the kernels; a cached library that cannot be loaded
-(truncated, corrupt) is built again.
+instead, with one warning for all the kernels; a checked library that still cannot be
+loaded is built again once, and if that fails too the caller gets NativeBuildError and uses
+its torch implementation.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -28,7 +40,9 @@ import threading
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
+
+from . import file_digest
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +114,9 @@ def build_name(name: str) -> str:
 
 
 def _compile(cxx: str, source_file: Path, target: Path) -> None:
-    """Compiles into a temporary file next to ``target`` and renames it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    """Compiles into a temporary file next to ``target``, renames it into place, then records
+    its digest (file_digest.py): a crash in between leaves a library without a record, which
+    the next load rebuilds rather than trusts."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -109,10 +124,31 @@ def _compile(cxx: str, source_file: Path, target: Path) -> None:
         if result.returncode != 0:
             raise NativeBuildError(f"{cxx} failed to build {source_file.name}:\n"
                                    f"{result.stderr.strip()[-2000:]}")
+        file_digest.fsync_file(Path(tmp))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    file_digest.write_record(target)
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on the kernel directory (created if missing) while a library is
+    checked and, if need be, built and recorded: another process never sees a library
+    renamed into place whose record is still the previous one's. Where the directory cannot
+    be locked (a filesystem without flock), building goes on unlocked: the record check
+    still keeps a mismatched pair from being loaded, at the cost of a rebuild."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as exc:
+            logger.debug("cannot lock the kernel cache %s (%s); building unlocked", directory, exc)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock
 
 
 def _private_build_dir(unusable: Path, exc: OSError) -> Path:
@@ -127,18 +163,19 @@ def _private_build_dir(unusable: Path, exc: OSError) -> Path:
 
 
 def _build(name: str, cxx: str, source_file: Path, source: str, reuse: bool = True) -> Path:
-    """The library's path, built unless already cached; ``reuse=False`` builds it even over
-    a cached file (one that failed to load)."""
+    """The library's path, built unless already cached and matching its digest record;
+    ``reuse=False`` builds it even over a cached file (one that failed to load)."""
     key = library_key(source, cxx)
     cache = kernel_cache_dir()
     directory = _private_dirs.get(cache, cache)
     while True:
         target = directory / f"{name}-{key}.so"
-        if reuse and target.is_file():
-            return target
-        start = time.perf_counter()
         try:
-            _compile(cxx, source_file, target)
+            with _directory_lock(directory):
+                if reuse and _verified(target):
+                    return target
+                start = time.perf_counter()
+                _compile(cxx, source_file, target)
         except OSError as exc:  # read-only, full, or not a directory: build privately instead
             if directory != cache:
                 raise NativeBuildError(f"could not write {name} anywhere ({exc})") from exc
@@ -149,7 +186,26 @@ def _build(name: str, cxx: str, source_file: Path, source: str, reuse: bool = Tr
         return target
 
 
+def _verified(target: Path) -> bool:
+    """Whether ``target`` is there and matches its digest record. A file that is there but
+    does not match (or has no record) is one warning naming it: the caller builds it again."""
+    if not target.is_file():
+        return False
+    problem = file_digest.problem(target)
+    if problem is None:
+        return True
+    logger.warning("the cached C++ kernel %s is %s; building it again, it is never loaded",
+                   target, problem)
+    return False
+
+
 def _load(path: Path) -> ctypes.CDLL:
+    """Loads a library ``_build`` returned: checked against its digest record first (again,
+    since a file can change between the build and the load), so a damaged file is never
+    mapped into the process."""
+    problem = file_digest.problem(path)
+    if problem is not None:
+        raise NativeBuildError(f"{path} is {problem}")
     try:
         return ctypes.CDLL(str(path))
     except OSError as exc:
@@ -160,8 +216,9 @@ def _load(path: Path) -> ctypes.CDLL:
 def load_library(name: str) -> ctypes.CDLL:
     """``ops/csrc/<name>.cpp`` as a loaded library, built on first use in this cache.
 
-    A cached library that does not load (truncated, corrupt) is built again, once, with a
-    warning. Raises NativeBuildError when there is no compiler or the build fails; callers
+    A cached library that does not match its digest record is built again before anything
+    loads it (``_build``); one that matches but still does not load is built again, once,
+    with a warning. Raises NativeBuildError when there is no compiler or the build fails; callers
     fall back to their torch implementation.
     """
     source_file = CSRC / f"{name}.cpp"
@@ -172,7 +229,8 @@ def load_library(name: str) -> ctypes.CDLL:
     try:
         return _load(path)
     except NativeBuildError as exc:
-        logger.warning("the cached C++ kernel %s does not load (%s); building it again", path, exc.__cause__)
+        logger.warning("the cached C++ kernel %s does not load (%s); building it again", path,
+                       exc.__cause__ or exc)
     with _lock:
         return _load(_build(name, cxx, source_file, source, reuse=False))
 

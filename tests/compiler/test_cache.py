@@ -1,12 +1,15 @@
 """The compile cache: keys, warm loads, corrupt entries, unwritable directories."""
 from __future__ import annotations
 
+import json
 import logging
 
+import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph.compiler import cache as cache_mod
+from vgraph.compiler import cache_entries
 from vgraph.compiler import cache_key as cache_key_mod
 from vgraph.compiler.backend import VgraphBackend
 from vgraph.compiler.cache import CompileCache
@@ -38,17 +41,50 @@ def test_second_run_loads_instead_of_compiling(tmp_path):
     assert warm.counters.inductor_compilations == 0 and warm.counters.cache_loads == 3
 
 
-def test_truncated_artifact_is_recompiled_with_a_warning(tmp_path, caplog):
+def _flip_middle(data: bytes) -> bytes:
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 8]) + data[middle + 8:]
+
+
+@pytest.mark.parametrize("damage,why", [(lambda data: data[:100], "truncated"),
+                                        (_flip_middle, "does not match its sha256 checksum")],
+                         ids=["truncated", "flipped"])
+def test_damaged_artifact_is_recompiled_with_one_warning(tmp_path, caplog, damage, why):
     model = Toy(layers=2)
     cold = _run_toy(CompileCache(tmp_path, "k"), model)
     victim = next(cold.cache.folder.glob("*.bin"))
-    victim.write_bytes(victim.read_bytes()[:100])
+    damaged = damage(victim.read_bytes())
+    victim.write_bytes(damaged)
     with caplog.at_level(logging.WARNING, logger="vgraph"):
         again = _run_toy(CompileCache(tmp_path, "k"), model)
-    assert "unreadable" in caplog.text
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert str(victim) in warning and why in warning and "recompiling" in warning, warning
     assert again.counters.inductor_compilations == 1 and again.counters.cache_errors == 1
     assert again.counters.cache_loads == 2
-    assert victim.stat().st_size > 100, "the entry was rewritten"
+    assert victim.read_bytes() != damaged and cache_mod.unpack_artifact(victim.read_bytes()), "rewritten whole"
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[]"], ids=["not-json", "not-utf8", "list"])
+def test_a_damaged_meta_json_is_rewritten_with_one_warning(tmp_path, caplog, content):
+    """meta.json is read by every warm start (its last_used) and when an entry is written to;
+    garbage there is rewritten, and said once however often it is read."""
+    meta = tmp_path / cache_entries.META_FILE
+    meta.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        cache_entries.create_meta(tmp_path, {"model": "m"})
+        meta.write_bytes(content)  # damaged again under the same name: the same problem, not logged again
+        cache_entries.touch_last_used(tmp_path, {"model": "m"})
+        cache_entries.touch_last_used(tmp_path, {"model": "m"})
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert str(meta) in warning and "damaged" in warning and "rewritten" in warning, warning
+    record = json.loads(meta.read_text())
+    assert record["model"] == "m" and isinstance(record["last_used"], float)
+
+
+def test_a_missing_meta_json_is_written_quietly(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        cache_entries.touch_last_used(tmp_path, {"model": "m"})
+    assert caplog.records == [] and cache_entries.read_meta(tmp_path)["model"] == "m"
 
 
 def test_unwritable_cache_dir_still_serves(tmp_path, caplog):

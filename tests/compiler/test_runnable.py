@@ -7,6 +7,7 @@ means Inductor's path, never a wrong or crashed engine.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -96,13 +97,18 @@ def test_warm_start_in_process_reports_runnables(cold, tmp_path, monkeypatch):
     assert _tokens(llm) == cold["tokens"]
 
 
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_damaged_runnable_loads_through_inductor_and_is_saved_again(cold, tmp_path, monkeypatch, caplog):
     root = _copy(cold, tmp_path, monkeypatch)
     run = next(root.glob("compile/*/*-dynamic.run"))
     run.write_bytes(run.read_bytes()[:-10] + b"0123456789")
-    with caplog.at_level(logging.INFO, logger="vgraph"):
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
         llm = _engine()
-    assert "runnables are not usable" in caplog.text and "sha256" in caplog.text
+    (warning,) = _warnings(caplog)
+    assert str(run) in warning and "sha256" in warning and "saves it again" in warning, warning
     c = llm.engine.runner.compile_counters
     assert c.runnable_loads == 0 and c.cache_loads == cold["counters"].unique_piece_graphs
     assert _tokens(llm) == cold["tokens"]
@@ -110,14 +116,49 @@ def test_damaged_runnable_loads_through_inductor_and_is_saved_again(cold, tmp_pa
     assert _engine().engine.runner.compile_counters.runnable_loads > 0
 
 
-def test_kernel_library_that_does_not_match_its_checksum_is_not_loaded(cold, tmp_path, monkeypatch):
+def test_kernel_library_that_does_not_match_its_checksum_is_not_loaded_and_is_rewritten(cold, tmp_path,
+                                                                                        monkeypatch, caplog):
+    """Each damaged library is one warning, and the Inductor path writes it again: before, a
+    damaged copy was kept because a file by that name existed, and every start missed the
+    fast path."""
     root = _copy(cold, tmp_path, monkeypatch)
-    for library in root.glob("compile/*/kernels/*.so"):
+    libraries = sorted(root.glob("compile/*/kernels/*.so"))
+    for library in libraries:
         library.write_bytes(library.read_bytes() + b"\0")
     monkeypatch.setattr(runnables, "_LOADED_LIBRARIES", {})  # as a fresh process would
-    llm = _engine()
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        llm = _engine()
     assert llm.engine.runner.compile_counters.runnable_loads == 0
     assert _tokens(llm) == cold["tokens"]
+    warnings = _warnings(caplog)
+    assert len(warnings) == len(libraries), warnings
+    for library in libraries:
+        assert sum(str(library) in w and "sha256" in w for w in warnings) == 1, warnings
+        assert library.name == hashlib.sha256(library.read_bytes()).hexdigest() + ".so", "rewritten whole"
+    caplog.clear()
+    monkeypatch.setattr(runnables, "_LOADED_LIBRARIES", {})
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        again = _engine()
+    assert again.engine.runner.compile_counters.runnable_loads > 0 and _warnings(caplog) == []
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff", b'{"config_key": 3}'], ids=["not-json", "not-utf8",
+                                                                                     "wrong-fields"])
+def test_a_damaged_warm_index_is_one_warning_and_written_again(cold, tmp_path, monkeypatch, caplog, content):
+    root = _copy(cold, tmp_path, monkeypatch)
+    index = next(root.glob("warm/*.json"))
+    good = json.loads(index.read_text())
+    index.write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        llm = _engine()
+    (warning,) = _warnings(caplog)
+    assert str(index) in warning and "damaged" in warning and "writes it again" in warning, warning
+    assert llm.engine.runner.compile_counters.runnable_loads == 0 and _tokens(llm) == cold["tokens"]
+    assert json.loads(index.read_text()) == good
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        again = _engine()
+    assert again.engine.runner.compile_counters.runnable_loads > 0 and _warnings(caplog) == []
 
 
 def test_a_runnable_failing_on_its_first_call_falls_back_to_inductor(cold, tmp_path, monkeypatch, caplog):

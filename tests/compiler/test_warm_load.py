@@ -101,14 +101,25 @@ def test_a_failed_candidate_is_never_skipped(monkeypatch, tmp_path):
     assert WarmLoadSettings(tmp_path).patches() == {}
 
 
-@pytest.mark.parametrize("content", ["", "{not json", "[1, 2]", '{"fingerprint": null}'])
-def test_an_unreadable_record_means_probing_again(isa, tmp_path, content):
-    (tmp_path / VEC_ISA_FILE).write_text(content)
-    settings = WarmLoadSettings(tmp_path)
-    assert settings.patches() == {}
-    isa.valid_vec_isa_list()
-    settings.remember()
+@pytest.mark.parametrize("content,damaged", [("", True), ("{not json", True), ("\udcff", True),
+                                             ("[1, 2]", True), ('{"fingerprint": null}', False)],
+                         ids=["empty", "not-json", "not-utf8", "list", "stale"])
+def test_an_unreadable_record_means_probing_again(isa, tmp_path, content, damaged, caplog):
+    """Garbage (not a JSON object) is repaired with one warning naming the file, though it is
+    read twice; a readable record that no longer fits (stale) is replaced quietly."""
+    (tmp_path / VEC_ISA_FILE).write_bytes(content.encode("utf-8", "surrogateescape"))
+    with caplog.at_level(logging.WARNING, logger="vgraph"):
+        settings = WarmLoadSettings(tmp_path)
+        assert settings.patches() == {}
+        isa.valid_vec_isa_list()
+        settings.remember()
     assert json.loads((tmp_path / VEC_ISA_FILE).read_text())["valid"], "the record is written anew"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if damaged:
+        (warning,) = warnings
+        assert str(tmp_path / VEC_ISA_FILE) in warning and "damaged" in warning and "rewritten" in warning
+    else:
+        assert warnings == []
 
 
 def test_no_record_without_a_cache_or_on_another_machine(isa, tmp_path, monkeypatch):

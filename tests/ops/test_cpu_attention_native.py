@@ -478,7 +478,8 @@ def test_fresh_build_writes_one_library_and_the_next_build_reuses_it(monkeypatch
     path = native_build._build("paged_attention_cpu", cxx, source_file, source)
     kernels = tmp_path / "kernels"
     assert path.parent == kernels
-    assert os.listdir(kernels) == [path.name]  # no temporary file left behind
+    record = path.name + ".sha256"
+    assert sorted(os.listdir(kernels)) == [path.name, record]  # no temporary file left behind
     assert path.name == f"paged_attention_cpu-{native_build.library_key(source, cxx)}.so"
     assert len(compiles) == 1
     lib = ctypes.CDLL(str(path))
@@ -487,7 +488,7 @@ def test_fresh_build_writes_one_library_and_the_next_build_reuses_it(monkeypatch
     mtime = path.stat().st_mtime_ns
     assert native_build._build("paged_attention_cpu", cxx, source_file, source) == path
     assert len(compiles) == 1 and path.stat().st_mtime_ns == mtime
-    assert os.listdir(kernels) == [path.name]
+    assert sorted(os.listdir(kernels)) == [path.name, record]
 
 
 @requires_compiler
@@ -504,7 +505,7 @@ def test_load_library_reuses_the_cached_file_after_cache_clear(monkeypatch, tmp_
     native_build.load_library.cache_clear()
     assert native_build.load_library("vgraph_probe").vgraph_probe() == 41  # from the disk cache
     assert len(compiles) == 1
-    assert len(list((tmp_path / "cache" / "kernels").iterdir())) == 1
+    assert len(list((tmp_path / "cache" / "kernels").glob("*.so"))) == 1
 
 
 @requires_compiler
@@ -518,7 +519,8 @@ def test_a_source_change_builds_a_new_library(monkeypatch, tmp_path, compiles):
     assert native_build.library_key(new, cxx) != native_build.library_key(old, cxx)
     second = native_build._build("vgraph_probe", cxx, source_file, new)
     assert second != first and len(compiles) == 2
-    assert sorted(os.listdir(tmp_path / "cache" / "kernels")) == sorted([first.name, second.name])
+    assert sorted(os.listdir(tmp_path / "cache" / "kernels")) == sorted(
+        [first.name, second.name, first.name + ".sha256", second.name + ".sha256"])
     assert probe_value(second) == 2
 
 

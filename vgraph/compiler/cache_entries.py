@@ -6,6 +6,10 @@ Each entry folder holds a ``meta.json`` written once, atomically, when the entry
 (model name and path, architecture, dtype, quantization, passes, ...); a warm start rewrites
 its ``last_used`` (also atomically, a few hundred bytes). Listing never trusts it blindly: an
 entry with a missing or unreadable ``meta.json`` is still listed, with what its files say.
+
+Also the helpers every cache file goes through: atomic writes, the checksummed frame of
+artifacts, captured records and runnables, and ``report_damaged``, the one warning a repaired
+file gets (a damaged file is never repaired silently: that would hide a failing disk).
 """
 from __future__ import annotations
 
@@ -32,6 +36,46 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 _UNIT_BYTES = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 STRAY_TEMP_SECONDS = 3600.0  # a .tmp-* file this old belongs to a writer that died: prune removes it
+_REPORTED: set[tuple[str, str]] = set()  # (file, problem) already warned about in this process
+
+
+class DamagedFile(ValueError):
+    """A cache file that is there but whose bytes are wrong (truncated, flipped, garbage, no
+    header): unlike a missing file, which is simply made, it is repaired with a warning
+    (``report_damaged``). ``path`` names the file where the raiser knows it."""
+
+    def __init__(self, why: str, path: Optional[Path] = None) -> None:
+        super().__init__(why)
+        self.path = path
+
+
+def report_damaged(path: Path, why: str, repair: str) -> None:
+    """One WARNING for a damaged cache file and what is done about it, once per file and
+    problem per process: the operator learns the disk or a copy damaged it (a repair that
+    stays silent hides a failing disk), and a file read many times is not logged many times."""
+    if (str(path), why) in _REPORTED:
+        return
+    _REPORTED.add((str(path), why))
+    logger.warning("compile cache file %s is damaged (%s); %s", path, why, repair)
+
+
+def read_json_record(path: Path, repair: str) -> Optional[dict]:
+    """The JSON object in ``path``, or None: quietly when the file is missing or cannot be
+    read, with ``report_damaged`` when it is there but not a JSON object (the caller then
+    rewrites it, which ``repair`` says)."""
+    try:
+        text = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:  # not UTF-8 or not JSON
+        report_damaged(path, f"not JSON: {exc}", repair)
+        return None
+    if not isinstance(value, dict):
+        report_damaged(path, f"a JSON {type(value).__name__}, not an object", repair)
+        return None
+    return value
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -79,19 +123,24 @@ def pack_framed(magic: bytes, header: dict, body: bytes) -> bytes:
 
 
 def unpack_framed(data: bytes, magic: bytes, what: str) -> tuple[dict, bytes]:
-    """The header and body of a ``pack_framed`` file; ValueError unless both are whole and the
-    body matches its checksum (``what`` names the file in the message)."""
+    """The header and body of a ``pack_framed`` file; DamagedFile (a ValueError) unless both
+    are whole and the body matches its checksum (``what`` names the file in the message)."""
     start = len(magic) + _FRAME_HEADER_LENGTH.size
     if not data.startswith(magic) or len(data) < start:
-        raise ValueError(f"not a {what} (no header)")
+        raise DamagedFile(f"not a {what} (no header)")
     (length,) = _FRAME_HEADER_LENGTH.unpack_from(data, len(magic))
-    header = json.loads(data[start:start + length])
+    if len(data) < start + length:
+        raise DamagedFile(f"truncated: {len(data)} bytes, which end inside the {length}-byte header")
+    try:
+        header = json.loads(data[start:start + length])
+    except ValueError as exc:
+        raise DamagedFile(f"damaged: the {what}'s header is not JSON ({exc})") from None
     body = data[start + length:]
     if not isinstance(header, dict) or len(body) != header.get("bytes"):
-        raise ValueError(f"truncated: {len(body)} bytes after the header, which says "
-                         f"{header.get('bytes') if isinstance(header, dict) else '?'}")
+        raise DamagedFile(f"truncated: {len(body)} bytes after the header, which says "
+                          f"{header.get('bytes') if isinstance(header, dict) else '?'}")
     if hashlib.sha256(body).hexdigest() != header.get("sha256"):
-        raise ValueError(f"damaged: the {what} does not match its sha256 checksum")
+        raise DamagedFile(f"damaged: the {what} does not match its sha256 checksum")
     return header, body
 
 
@@ -101,7 +150,8 @@ def write_json_atomic(path: Path, payload: Any) -> None:
 
 
 def read_meta(folder: Path) -> Optional[dict]:
-    """The entry's meta.json, or None when it is missing or not a JSON object."""
+    """The entry's meta.json, or None when it is missing or not a JSON object (quietly:
+    listing repairs nothing; the writers below warn when they rewrite a damaged one)."""
     try:
         meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -110,8 +160,9 @@ def read_meta(folder: Path) -> Optional[dict]:
 
 
 def create_meta(folder: Path, description: dict) -> None:
-    """Writes meta.json for a new entry (a present, readable one is left as it is)."""
-    if read_meta(folder) is not None:
+    """Writes meta.json for a new entry (a present, readable one is left as it is; a damaged
+    one is rewritten with a warning)."""
+    if read_json_record(folder / META_FILE, "rewritten") is not None:
         return
     now = time.time()
     write_json_atomic(folder / META_FILE, {**description, "created": now, "last_used": now})
@@ -121,7 +172,7 @@ def touch_last_used(folder: Path, description: dict) -> None:
     """Records a warm start in meta.json; an unwritable entry is skipped (a debug line): the
     timestamp only serves ``cache clear --older-than`` and must never cost a start."""
     try:
-        meta = read_meta(folder) or {**description, "created": None}
+        meta = read_json_record(folder / META_FILE, "rewritten") or {**description, "created": None}
         meta["last_used"] = time.time()
         write_json_atomic(folder / META_FILE, meta)
     except OSError as exc:

@@ -286,10 +286,27 @@ def stage_libraries(folder: Path, parts: RunnableParts) -> dict[str, tuple[Path,
         data = Path(source_path).read_bytes()
         sha = hashlib.sha256(data).hexdigest()
         target = kernels / f"{sha}.so"
-        if not target.is_file():
+        if not _matches(target, sha):
             cache_entries.write_atomic(target, data)
         staged[key] = (target, sha)
     return staged
+
+
+def _matches(library: Path, sha: str) -> bool:
+    """Whether the entry's copy of a kernel library is there and whole. A damaged copy (its
+    name is its sha256) is reported and then overwritten by the caller: skipping every file
+    that merely exists would leave it damaged, and every later start off the fast path."""
+    try:
+        data = library.read_bytes()
+    except OSError:
+        return False
+    if hashlib.sha256(data).hexdigest() == sha:
+        return True
+    cache_entries.report_damaged(library, _LIBRARY_MISMATCH, "written again from Inductor's cache")
+    return False
+
+
+_LIBRARY_MISMATCH = "the kernel library does not match its sha256 checksum"
 
 
 def runnable_path(folder: Path, piece_hash: str, size: str) -> Path:
@@ -308,8 +325,12 @@ def save_runnable(folder: Path, piece_hash: str, size: str, parts: RunnableParts
 
 def read_runnable(path: Path, piece_hash: str, size: str) -> tuple[dict, str]:
     """The header and source of a runnable file, checked; ValueError for a file that is
-    truncated, damaged, from another format or torch, or made for another piece."""
-    header, source = cache_entries.unpack_framed(path.read_bytes(), RUNNABLE_MAGIC, "vgraph runnable")
+    truncated, damaged (DamagedFile, naming ``path``), from another format or torch, or made
+    for another piece."""
+    try:
+        header, source = cache_entries.unpack_framed(path.read_bytes(), RUNNABLE_MAGIC, "vgraph runnable")
+    except cache_entries.DamagedFile as exc:
+        raise cache_entries.DamagedFile(str(exc), path) from None
     if header.get("format") != RUNNABLE_FORMAT or header.get("torch") != torch.__version__:
         raise ValueError(f"format {header.get('format')} for torch {header.get('torch')}")
     if (header.get("piece_hash"), header.get("size")) != (piece_hash, size):
@@ -319,13 +340,14 @@ def read_runnable(path: Path, piece_hash: str, size: str) -> tuple[dict, str]:
 
 def load_runnable(folder: Path, piece_hash: str, size: str) -> tuple[Runnable, dict[str, int]]:
     """The runnable saved for this piece and its pass matches; raises (OSError, ValueError,
-    ImportError, ...) when it is missing or unusable."""
+    ImportError, ...) when it is missing or unusable, DamagedFile (naming the file) when the
+    runnable or one of its libraries is damaged."""
     header, source = read_runnable(runnable_path(folder, piece_hash, size), piece_hash, size)
     libraries = {}
     for key, sha in header["kernels"].items():
         path = folder / KERNEL_FOLDER / f"{sha}.so"
         if sha not in _LOADED_LIBRARIES and hashlib.sha256(path.read_bytes()).hexdigest() != sha:
-            raise ValueError(f"kernel library {path.name} does not match its sha256 checksum")
+            raise cache_entries.DamagedFile(_LIBRARY_MISMATCH, path)
         libraries[key] = (path, sha)
     runnable = build_runnable(source, libraries, header["extern"], f"{piece_hash}-{size}")
     return runnable, dict(header.get("pass_matches") or {})

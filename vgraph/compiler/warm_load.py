@@ -87,11 +87,10 @@ def vec_isa_fingerprint(isa: Any) -> Optional[dict[str, Any]]:
                            if all(flag in flags for flag in str(v).split())]}
 
 
-def _read_json(path: Path) -> Optional[Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def _read_record(path: Path) -> Optional[dict]:
+    """The vec-isa record, or None: missing quietly, damaged with one warning (the probes run
+    and ``remember`` rewrites it)."""
+    return cache_entries.read_json_record(path, "probing the vector ISAs again; it is rewritten")
 
 
 class WarmLoadSettings:
@@ -107,7 +106,7 @@ class WarmLoadSettings:
     def _vec_isa_trusted(self) -> bool:
         if self._fingerprint is None or self._isa.valid_vec_isa_list.cache_info().currsize:
             return False  # nothing to compare with, or this process has its answer already
-        record = _read_json(self.root / VEC_ISA_FILE)
+        record = _read_record(self.root / VEC_ISA_FILE)
         return (isinstance(record, dict) and record.get("fingerprint") == self._fingerprint
                 and record.get("valid") == self._fingerprint["candidates"])
 
@@ -141,6 +140,6 @@ class WarmLoadSettings:
             return  # no C++ was loaded: the probes did not run, nothing learned
         valid = [str(v) for v in self._isa.valid_vec_isa_list()]
         record = {"fingerprint": self._fingerprint, "valid": valid}
-        if _read_json(self.root / VEC_ISA_FILE) != record:
+        if _read_record(self.root / VEC_ISA_FILE) != record:
             self.root.mkdir(parents=True, exist_ok=True)
             cache_entries.write_atomic(self.root / VEC_ISA_FILE, json.dumps(record, indent=1).encode())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from ..paths import cache_dir
 from . import captured_graph as captured
 from . import runnable as runnables
 from .cache import CompileCache, stable_hash
-from .cache_entries import WARM_INDEX_FOLDER, write_json_atomic
+from .cache_entries import WARM_INDEX_FOLDER, DamagedFile, read_json_record, report_damaged, write_json_atomic
 from .cache_key import key_fields, model_layout
 from .counters import CompileCounters
 
@@ -95,12 +94,16 @@ def write_index(root: Path, key: str, config_key: str, fingerprint: str) -> None
 
 
 def _read_index(root: Path, key: str) -> Optional[dict]:
-    try:
-        index = json.loads(index_path(root, key).read_text())
-    except (OSError, ValueError):
+    """The index, or None: quietly when it is missing (no start has checked runnables for this
+    key), with one warning when it is damaged (Inductor's path writes it again)."""
+    repair = "loading through Inductor, which writes it again"
+    index = read_json_record(index_path(root, key), repair)
+    if index is None:
         return None
-    ok = isinstance(index, dict) and all(isinstance(index.get(k), str) for k in ("config_key", "source_fingerprint"))
-    return index if ok else None
+    if not all(isinstance(index.get(k), str) for k in ("config_key", "source_fingerprint")):
+        report_damaged(index_path(root, key), "no config_key and source_fingerprint", repair)
+        return None
+    return index
 
 
 # ---------------------------------------------------------------------------- saving (Inductor's path)
@@ -155,7 +158,10 @@ def load_warm_forward(model: torch.nn.Module, config: EngineConfig, hf_config: A
         return None
     try:
         loaded = {h: runnables.load_runnable(cache.folder, h, "dynamic") for h in _hashes(record)}
-    except Exception as exc:  # missing, damaged, or made by another build: Inductor's path repairs it
+    except DamagedFile as exc:  # truncated or flipped bytes: a warning, Inductor's path rewrites it
+        report_damaged(exc.path, str(exc), "loading the entry through Inductor, which saves it again")
+        return None
+    except Exception as exc:  # missing, or made by another build: Inductor's path repairs it
         logger.info("the compile cache entry's runnables are not usable (%s: %s); loading it through Inductor",
                     type(exc).__name__, exc)
         return None

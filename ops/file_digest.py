@@ -1,0 +1,84 @@
+"""A sha256 record beside a cached file (``<file>.sha256``), written after the file and
+checked before it is used.
+
+Why: a shared library is mapped, not read, so a truncated or bit-flipped ``.so`` does not fail
+to load; it crashes the process later (SIGBUS on a page past the end, SIGILL on a flipped
+instruction), before any Python handler can run. Only a check of the bytes before
+``ctypes.CDLL`` keeps such a file from ever being loaded. The compile cache's own files carry
+their checksum in a header (``vgraph/compiler/cache_entries.py``); a library cannot, so it
+gets a sidecar. This module is the ``ops`` package's (which imports no vgraph runtime code).
+
+The record is JSON, ``{"bytes": N, "sha256": "<hex>"}``: the length tells a truncated file
+from a damaged one in the message an operator reads.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+SUFFIX = ".sha256"
+
+
+def record_path(path: Path) -> Path:
+    """Where ``path``'s digest record lives: ``<path>.sha256`` beside it."""
+    return path.with_name(path.name + SUFFIX)
+
+
+def _describe(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_record(path: Path) -> None:
+    """Records ``path``'s length and sha256 beside it, atomically: a temporary file in the same
+    folder, fsynced, renamed over the record. Call it once ``path`` itself is in place (and
+    durable), so that a record never describes bytes that are not there."""
+    payload = json.dumps(_describe(path), sort_keys=True).encode()
+    target = record_path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def fsync_file(path: Path) -> None:
+    """Forces ``path``'s bytes to disk, so that after a power cut the name never points at a
+    file shorter than the one its record describes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def problem(path: Path) -> Optional[str]:
+    """None when ``path`` matches its record; else why it must not be used: truncated,
+    damaged, without a record (written before records existed), or with an unreadable one."""
+    try:
+        recorded = json.loads(record_path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"without a sha256 record ({record_path(path).name} is missing: an older vgraph built it)"
+    except (OSError, ValueError) as exc:
+        return f"with an unreadable sha256 record {record_path(path).name} ({exc})"
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("sha256"), str):
+        return f"with an unreadable sha256 record {record_path(path).name} (not a digest record)"
+    try:
+        found = _describe(path)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    if found["bytes"] != recorded.get("bytes"):
+        how = "truncated" if isinstance(recorded.get("bytes"), int) and found["bytes"] < recorded["bytes"] else "damaged"
+        return f"{how} ({found['bytes']} bytes, its record says {recorded.get('bytes')})"
+    if found["sha256"] != recorded["sha256"]:
+        return "damaged (its bytes do not match their recorded sha256)"
+    return None
