@@ -59,7 +59,7 @@ def main() -> None:
     prefill, advanced = [], 0
     while advanced < len(prompts):  # until a step advances every request: the last prefill chunk
         start = time.perf_counter()
-        advanced = len(engine.step().outputs)
+        advanced = len(engine.step().deltas)
         prefill.append(time.perf_counter() - start)
     steps = []
     for _ in range(args.steps):

@@ -502,82 +502,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
                                             "is loaded)", f"[{host}]" if ":" in host else host, port)
-    engine = _serve_engine(args, kwargs, settings.max_queue_len)
+    from vgraph.engine.launch import ServingTopology, TopologyError, serving_engine
+    topology = ServingTopology(model=_model_path(args), engine_kwargs=kwargs, pass_specs=list(args.passes),
+                               in_process=args.engine_in_process, data_parallel_size=args.data_parallel_size,
+                               max_queue_len=settings.max_queue_len, log_level=args.log_level)
+    try:
+        engine = serving_engine(topology)
+    except TopologyError as exc:
+        raise UserError(str(exc)) from None
     with sock:
         return serve(settings, engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
                      log_level=args.log_level, access_log=args.access_log, sockets=[sock])
-
-
-def _serve_engine(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int]) -> Any:
-    """The engine ``serve`` runs: an ``EngineCoreClient`` over an engine-core process by
-    default, an ``AsyncEngine`` on a thread of this process with ``--engine-in-process``; with
-    ``--data-parallel-size N`` a ``DataParallelEngine`` over N of them, each its own
-    ``LLMEngine``, with ``cores // N`` torch threads each (they share the machine's cores)."""
-    size = args.data_parallel_size
-    if size == 1:
-        return _engine_replica(args, kwargs, max_queue_len, kwargs["device"], None, None)
-    import threading
-
-    import torch
-
-    from vgraph.config import default_block_size
-    from vgraph.engine.dp_engine import data_parallel
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // size)
-    building = threading.Lock()
-    devices = _replica_devices(kwargs["device"], size)
-    replicas = [_engine_replica(args, kwargs, max_queue_len, device, threads, building) for device in devices]
-    # The router hashes prompts in the replicas' KV blocks, the size each engine resolves to.
-    block_size = kwargs["block_size"] or default_block_size(torch.device(devices[0]).type)
-    return data_parallel(replicas, block_size)
-
-
-def _engine_replica(args: argparse.Namespace, kwargs: dict[str, Any], max_queue_len: Optional[int], device: str,
-                    threads: Optional[int], building: Any) -> Any:
-    """One engine on ``device``: an engine-core process, or with ``--engine-in-process`` an
-    ``AsyncEngine`` thread. ``threads``: torch's thread count (None: its default). Threads of one
-    process share one torch thread pool, so the count is set here, once, for all of them, and
-    they build one at a time under the lock ``building`` (loading and compiling touch
-    process-wide state: Dynamo, the compile cache)."""
-    kwargs = {**kwargs, "device": device}
-    if args.engine_in_process:
-        from vgraph.engine.async_engine import AsyncEngine
-        if threads is not None:
-            import torch
-            torch.set_num_threads(threads)
-
-        def build_engine():
-            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
-            if building is None:
-                return _llm_from_args(args, kwargs).engine
-            with building:
-                return _llm_from_args(args, kwargs).engine
-
-        return AsyncEngine(build_engine, max_queue_len=max_queue_len)
-    from vgraph.engine.core_client import EngineCoreClient
-    from vgraph.engine.core_process import CoreProcessConfig
-    engine_kwargs = {name: value for name, value in kwargs.items() if name != "passes"}
-    config = CoreProcessConfig(model=_model_path(args), engine_kwargs=engine_kwargs, pass_specs=list(args.passes),
-                               log_level=args.log_level, num_threads=threads)
-    return EngineCoreClient(config, max_queue_len=max_queue_len)
-
-
-def _replica_devices(device: str, size: int) -> list[str]:
-    """The device of each data-parallel replica: on CUDA one GPU each (``cuda:0`` ..), on CPU
-    the CPU for all (they split its threads)."""
-    import torch
-
-    from vgraph.config import resolve_device
-    device = resolve_device(device)
-    if device == "cpu":
-        return ["cpu"] * size
-    if device != "cuda":
-        raise UserError(f"--data-parallel-size {size} places replica i on cuda:i; --device {device} names a "
-                        "single GPU (use --device cuda)")
-    found = torch.cuda.device_count()
-    if found < size:
-        raise UserError(f"--data-parallel-size {size} needs {size} GPUs (one per replica), found {found}")
-    return [f"cuda:{index}" for index in range(size)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,8 +83,10 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 def run_batch(engine: Any, size: int, mode: str, seed: int) -> tuple[float, list[str]]:
     """One engine run; (median ms of the steps with every row decoding, constrained outputs)."""
     from vgraph import SamplingParams
+    from vgraph.engine.output_processor import OutputProcessor
     from vgraph.structured import StructuredOutputsParams
 
+    outputs = OutputProcessor(engine.tokenizer)  # the text, as every caller of the engine builds it
     constrained = {"free": 0, "half": size // 2, "all": size}[mode]
     spec = StructuredOutputsParams(json=SCHEMA)
     for i, prompt in enumerate(_prompts(size, engine.vocab_size, seed)):
@@ -93,16 +95,18 @@ def run_batch(engine: Any, size: int, mode: str, seed: int) -> tuple[float, list
         else:
             params = SamplingParams(temperature=0.0, max_tokens=FREE_TOKENS, ignore_eos=True)
         engine.add_request(f"{mode}-{size}-{i}", {"prompt_token_ids": prompt}, params)
+        outputs.add(f"{mode}-{size}-{i}", None, prompt, params)
     times, texts, first = [], [], True
     while engine.has_unfinished_requests():
         full = engine.scheduler.num_running == size and not engine.scheduler.num_waiting
         start = time.perf_counter()
-        step = engine.step()
+        done, finishes = outputs.process(engine.step().deltas)  # the step and its outputs' share
         elapsed = time.perf_counter() - start
+        engine.finish_sequences(finishes)
         if full and not first:
             times.append(elapsed * 1e3)
         first = False
-        for out in step.outputs:
+        for out in done:
             index = int(out.request_id.rsplit("-", 1)[1])
             if out.finished and index < constrained:
                 texts.append((out.outputs[0].text, out.outputs[0].finish_reason))

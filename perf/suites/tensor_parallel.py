@@ -120,7 +120,7 @@ def _run_batch(llm: Any, prompts: list[list[int]], new_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
+        llm.add_request(rid, {"prompt_token_ids": p}, params)
     tokens: dict[str, list[int]] = {}
     decode_s, prefill_s = [], []
     start = time.perf_counter()
@@ -128,7 +128,7 @@ def _run_batch(llm: Any, prompts: list[list[int]], new_tokens: int) -> dict:
         prefilling = engine.scheduler.num_waiting > 0 or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
         t0 = time.perf_counter()
-        out = engine.step()
+        out = llm.step()  # the engine's step and the output processor's share, as LLM.generate runs them
         (prefill_s if prefilling else decode_s).append(time.perf_counter() - t0)
         for o in out.outputs:
             if o.finished:

@@ -14,6 +14,7 @@ from vgraph import SamplingParams
 from vgraph.config import CompileConfig
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.worker.dispatch import Path
+from vgraph.core.outputs import ModelRunnerOutput
 
 # The GPU tests' engine: capture sizes up to 40, so a mixed batch must stay within 40 tokens.
 GPU_SIZES = [1, 2, 4, 8, 16, 24, 32, 40]
@@ -79,7 +80,8 @@ def replay_equals_eager(llm, prompts: Sequence[Sequence[int]], kind: str, new_pr
         torch.testing.assert_close(replayed[:n], eager[:n], rtol=tol, atol=tol)
         if graphs.piecewise_graphs is not None:
             assert graphs.piecewise_graphs.misses == misses, "every piece replayed a graph"
-        engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
+        engine.scheduler.update(sched, ModelRunnerOutput({s.request.request_id: 5 for s in sched.scheduled
+                                                          if s.produces_token}))
     finally:
         engine.abort_request([f"s{i}" for i in range(5)] + ["s-new"])
 

@@ -18,9 +18,9 @@ def test_200_steps_of_varying_batches_cause_no_recompile():
             length = rng.choice([1, 2, 3, 15, 16, 17, 40, 90])
             params = SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=next_id,
                                     max_tokens=rng.randint(1, 30), ignore_eos=True)
-            engine.add_request(str(next_id), [rng.randrange(3, 500) for _ in range(length)], params)
+            llm.add_request(str(next_id), [rng.randrange(3, 500) for _ in range(length)], params)
             next_id += 1
-        finished += sum(out.finished for out in engine.step().outputs)
+        finished += sum(out.finished for out in llm.step().outputs)
         steps += 1
     assert finished > 10 and next_id > 40
     counters = engine.runner.compile_counters

@@ -20,6 +20,7 @@ from vgraph.config import CompileConfig, EngineConfig, ModelConfig
 from vgraph.models.loader import load_hf_config
 from vgraph.config import CudaGraphMode
 from vgraph.worker.dispatch import Decision, Path
+from vgraph.core.outputs import ModelRunnerOutput
 
 BATCH_SIZES = [1, 3, 7, 8, 9, 16, 25, 33]
 NEW_TOKENS = 6
@@ -87,9 +88,9 @@ def test_growing_and_shrinking_batch_equals_transformers(llm, prompts):
     step = 0
     while step < 200 and (engine.has_unfinished_requests() or step <= max(arrivals)):
         for i in arrivals.get(step, []):
-            engine.add_request(f"g{i}", {"prompt_token_ids": prompts[i]},
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True))
-        for out in engine.step().outputs:
+            llm.add_request(f"g{i}", {"prompt_token_ids": prompts[i]},
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens[i], ignore_eos=True))
+        for out in llm.step().outputs:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         step += 1
@@ -122,7 +123,8 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
             plain = graphs.run(replace(graphs.builder.build(sched, unpadded), output_rows=None), unpadded).clone()
         assert padded.shape == plain.shape == (decision.num_tokens, plain.shape[1])
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
-        engine.scheduler.update(sched, {s.request.request_id: 5 for s in sched.scheduled if s.produces_token})
+        engine.scheduler.update(sched, ModelRunnerOutput({s.request.request_id: 5 for s in sched.scheduled
+                                                          if s.produces_token}))
     finally:
         engine.abort_request([f"s{i}" for i in range(5)] + ["s-new"])
 

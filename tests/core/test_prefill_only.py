@@ -6,7 +6,8 @@ from vgraph.config import CacheConfig, SchedulerConfig
 from vgraph.core.request import Request, RequestStatus
 from vgraph.core.scheduler import Scheduler
 from vgraph.sampling_params import SamplingParams
-from vgraph.worker.pooling import PoolingState
+from vgraph.core.outputs import PoolingState
+from vgraph.core.outputs import ModelRunnerOutput
 
 BS = 4
 
@@ -22,7 +23,7 @@ def _run(scheduler: Scheduler) -> list[tuple[str, int, bool]]:
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         seen += [(s.request.request_id, s.num_new_tokens, s.produces_token) for s in out.scheduled]
-        scheduler.update(out, {s.request.request_id: 7 for s in out.samples})
+        scheduler.update(out, ModelRunnerOutput({s.request.request_id: 7 for s in out.samples}))
     return seen
 
 

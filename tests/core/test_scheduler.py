@@ -17,6 +17,7 @@ from vgraph.core.request import Request, RequestStatus
 from vgraph.core.scheduler import Scheduler, SchedulerOutput
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.dispatch import BatchShape
+from vgraph.core.outputs import ModelRunnerOutput
 
 BS = 4
 VOCAB = 50
@@ -76,7 +77,7 @@ def step(scheduler: Scheduler, model: FakeModel) -> tuple[SchedulerOutput, list[
     assert output.num_batched_tokens <= config.max_num_batched_tokens
     assert len(output.scheduled) <= config.max_num_seqs
     assert scheduler.num_running <= config.max_num_seqs
-    return output, scheduler.update(output, model.execute(output))
+    return output, scheduler.update(output, ModelRunnerOutput(model.execute(output)))
 
 
 def run(scheduler: Scheduler, model: FakeModel, max_steps: int = 10_000,
@@ -387,7 +388,7 @@ def test_logprobs_are_recorded():
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         sampled = model.execute(output)
-        scheduler.update(output, sampled, {rid: {tok: -0.5} for rid, tok in sampled.items()})
+        scheduler.update(output, ModelRunnerOutput(sampled, {rid: {tok: -0.5} for rid, tok in sampled.items()}))
     assert request.logprobs == [{t: -0.5} for t in request.output_token_ids]
 
 
@@ -433,7 +434,7 @@ def test_abort_at_every_state():
     output = scheduler.schedule()
     sampled = model.execute(output)
     scheduler.abort_requests(["decoding"])
-    assert scheduler.update(output, sampled) == []
+    assert scheduler.update(output, ModelRunnerOutput(sampled)) == []
     assert decoding.status is RequestStatus.FINISHED_ABORTED
     scheduler.abort_requests(["decoding", "unknown"])  # finished or unknown: ignored
     assert_all_free(scheduler)

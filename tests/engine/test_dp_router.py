@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import pytest
 
-from vgraph.engine.async_engine import EngineDeadError, OutputCollector, QueueFullError
+from vgraph.engine.client import EngineDeadError, OutputCollector, QueueFullError
 from vgraph.engine.dp_engine import DataParallelEngine, data_parallel
 from vgraph.engine.dp_router import PrefixAffinityRouter, Route, RouterConfig, least_loaded, prefix_keys
 from vgraph.engine.outputs import CompletionOutput, RequestOutput
@@ -83,7 +83,7 @@ def test_bad_configs_are_refused():
 
 
 class FakeReplica:
-    """The AsyncEngine interface, answering from a script: requests finish when told."""
+    """The EngineClient interface, answering from a script: requests finish when told."""
 
     def __init__(self, queue_full: bool = False) -> None:
         self.on_step: Any = None

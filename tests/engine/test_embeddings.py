@@ -76,12 +76,12 @@ def test_embeddings_batch_with_generation_in_the_same_steps():
     emb_prompts = random_prompts([12, 40, 5], engine.vocab_size, seed=24)
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, p in enumerate(gen_prompts):
-        engine.add_request(f"g{i}", {"prompt_token_ids": p}, greedy)
+        llm.add_request(f"g{i}", {"prompt_token_ids": p}, greedy)
     for i, p in enumerate(emb_prompts):
-        engine.add_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams())
+        llm.add_request(f"e{i}", {"prompt_token_ids": p}, PoolingParams())
     finals, mixed_steps = {}, 0
-    while engine.has_unfinished_requests():
-        step = engine.step()
+    while llm.has_unfinished_requests():
+        step = llm.step()
         kinds = {o.request_id[0] for o in step.outputs}
         mixed_steps += kinds == {"g", "e"}
         finals.update({o.request_id: o for o in step.outputs if o.finished})
@@ -101,12 +101,12 @@ def test_preempted_pooling_request_is_not_counted_twice():
     emb = random_prompts([150], engine.vocab_size, seed=26)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
     for i, p in enumerate(long_gen):
-        engine.add_request(f"g{i}", {"prompt_token_ids": p}, greedy)
-    engine.add_request("e", {"prompt_token_ids": emb}, PoolingParams(normalize=False))
-    pooled = engine._groups["e"].sequences[0].request
+        llm.add_request(f"g{i}", {"prompt_token_ids": p}, greedy)
+    llm.add_request("e", {"prompt_token_ids": emb}, PoolingParams(normalize=False))
+    pooled = engine._groups["e"].sequences[0]
     finals = {}
-    while engine.has_unfinished_requests():
-        finals.update({o.request_id: o for o in engine.step().outputs if o.finished})
+    while llm.has_unfinished_requests():
+        finals.update({o.request_id: o for o in llm.step().outputs if o.finished})
     assert pooled.num_preemptions > 0, "the pooling request was preempted mid-prompt and recomputed"
     assert _close(finals["e"].outputs.embedding, expected(path, emb, "mean", normalize=False), 1e-4)
     for i, p in enumerate(long_gen):

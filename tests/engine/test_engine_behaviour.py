@@ -6,7 +6,6 @@ import torch
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
-from vgraph.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +66,15 @@ def test_sampling_params_reject_bad_values_at_construction():
 
 
 def test_abort_mid_flight_frees_every_block(llm):
-    engine: LLMEngine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     for i in range(4):
-        engine.add_request(f"a{i}", list(range(10, 10 + 20 * (i + 1))), params)
+        llm.add_request(f"a{i}", list(range(10, 10 + 20 * (i + 1))), params)
     for _ in range(3):
-        engine.step()
-    engine.abort_request(["a0", "a2"])
+        llm.step()
+    llm.abort_request(["a0", "a2"])
     finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step().outputs:
+    while llm.has_unfinished_requests():
+        for out in llm.step().outputs:
             if out.finished:
                 finished[out.request_id] = out
     assert set(finished) == {"a1", "a3"}

@@ -115,12 +115,12 @@ def test_n_greater_than_one_scores_the_prompt_once():
     llm = _llm(path)
     prompt = random_prompts([25], llm.engine.vocab_size, seed=17)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=2, prompt_logprobs=2)
-    llm.engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    llm.add_request("r", {"prompt_token_ids": prompt}, params)
     sequences = llm.engine._groups["r"].sequences
-    assert [s.request.num_prompt_logprobs for s in sequences] == [2, None, None]
+    assert [s.num_prompt_logprobs for s in sequences] == [2, None, None]
     final = None
-    while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step().outputs:
+    while llm.has_unfinished_requests():
+        for out in llm.step().outputs:
             final = out
     assert final.finished and len(final.outputs) == 3
     _check(path, prompt, final.prompt_logprobs, 2)

@@ -10,15 +10,20 @@ import pytest
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
 from vgraph.engine.llm_engine import LLMEngine
-from vgraph.engine.stats import EngineStats, RequestTiming, StepOutput
+from vgraph.engine.outputs import OutputKind
+from vgraph.engine.stats import EngineStats, EngineStep, RequestTiming, StepOutput
 
 BUDGET = 32  # max_num_batched_tokens: a longer prompt is prefilled over several steps
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    llm = LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=64,
-              max_model_len=256, max_num_batched_tokens=BUDGET, enforce_eager=True)
+def llm() -> LLM:
+    return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cpu", num_gpu_blocks=64,
+               max_model_len=256, max_num_batched_tokens=BUDGET, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def engine(llm) -> LLMEngine:
     return llm.engine
 
 
@@ -26,14 +31,14 @@ def _params(max_tokens: int, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, temperature=0.8 if n > 1 else 0.0, seed=1, max_tokens=max_tokens, ignore_eos=True)
 
 
-def _run(engine: LLMEngine) -> list[StepOutput]:
+def _run(engine: LLMEngine | LLM) -> list[EngineStep | StepOutput]:
     steps = []
     while engine.has_unfinished_requests():
         steps.append(engine.step())
     return steps
 
 
-def _by_request(steps: list[StepOutput]) -> dict[str, list[RequestTiming]]:
+def _by_request(steps: list[EngineStep | StepOutput]) -> dict[str, list[RequestTiming]]:
     timings: dict[str, list[RequestTiming]] = defaultdict(list)
     for step in steps:
         ids = [t.request_id for t in step.timings]
@@ -71,7 +76,7 @@ def test_timings_are_consistent_and_reported_once(engine):
 def test_queue_time_is_reported_when_first_scheduled_even_without_a_token(engine):
     engine.add_request("chunked", list(range(300, 300 + 2 * BUDGET + 5)), _params(2))  # no cached prefix
     first = engine.step()
-    assert first.outputs == []
+    assert first.deltas == []
     [timing] = first.timings
     assert timing.request_id == "chunked" and timing.queue_time is not None
     assert timing.num_new_tokens == 0 and timing.time_to_first_token is None
@@ -107,7 +112,7 @@ def test_abort_returns_timings_with_finish_reason_abort(engine):
     assert all(t.e2e_latency is None and t.num_new_tokens == 0 for t in aborted)
     assert engine.abort_request("running") == [], "an aborted request is gone"
     assert not engine.has_unfinished_requests()
-    assert engine.step() == StepOutput([], [], engine.stats())
+    assert engine.step() == EngineStep([], [], engine.stats())
 
 
 def _scheduler_counts(engine: LLMEngine) -> EngineStats:
@@ -133,14 +138,16 @@ def test_engine_stats_match_the_scheduler():
     assert final.num_running == final.num_waiting == 0 and final.kv_usage == 0
 
 
-def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(engine):
+def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(llm):
     """LLM.generate's requests: no output while they run, then the one a streaming caller
-    would have got last; their timings are reported as for any request."""
+    would have got last; their timings are reported as for any request. Delta outputs add
+    up to the same."""
     prompt = list(range(10, 10 + 2 * BUDGET))
-    engine.add_request("streamed", prompt, _params(5, n=2))
-    engine.add_request("final", prompt, _params(5, n=2), final_only=True)
-    engine.add_request("final-short", [5, 6, 7], _params(2), final_only=True)
-    steps = _run(engine)
+    llm.add_request("streamed", prompt, _params(5, n=2))
+    llm.add_request("final", prompt, _params(5, n=2), OutputKind.FINAL_ONLY)
+    llm.add_request("final-short", [5, 6, 7], _params(2), OutputKind.FINAL_ONLY)
+    llm.add_request("delta", prompt, _params(5, n=2), OutputKind.DELTA)
+    steps = _run(llm)
     outputs = defaultdict(list)
     for step in steps:
         for out in step.outputs:
@@ -154,6 +161,9 @@ def test_a_final_only_request_has_one_output_equal_to_the_streamed_ones_last(eng
     assert [c.token_ids for c in final.outputs] == [c.token_ids for c in streamed.outputs]
     assert [c.text for c in final.outputs] == [c.text for c in streamed.outputs]
     assert [c.finish_reason for c in final.outputs] == ["length", "length"]
+    for i in range(2):
+        assert sum((o.outputs[i].token_ids for o in outputs["delta"]), []) == streamed.outputs[i].token_ids
+        assert "".join(o.outputs[i].text for o in outputs["delta"]) == streamed.outputs[i].text
     timings = _by_request(steps)
     assert _one(timings["final"], "e2e_latency") > 0 and _one(timings["final-short"], "time_to_first_token") > 0
-    assert not engine._groups, "finished final-only requests are forgotten"
+    assert not llm.engine._groups and not len(llm.outputs), "finished requests are forgotten"

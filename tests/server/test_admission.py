@@ -1,8 +1,8 @@
 """Admission cannot leak: whatever fails between booking a submission and the engine accepting
 it (the engine refusing it, the codec unable to carry it, the send failing, the engine dying,
 the caller cancelled), the booking is released, only that submission fails, and the queue
-length the server admits by returns to 0. Both fronts: the engine on a thread (``AsyncEngine``)
-and in its own process (``EngineCoreClient``), which share ``OneEngineFront._admit``.
+length the server admits by returns to 0. ``EngineClient`` over both transports: the engine on
+a thread and in its own process.
 
 Once a server counted sixteen unsendable requests (``top_k`` >= 2**64, n=64) as waiting forever
 and answered every later request with 503 "overloaded" while its engine was idle; these tests
@@ -18,9 +18,9 @@ import threading
 import pytest
 
 from vgraph import LLM, SamplingParams
-from vgraph.engine.async_engine import (STALLED_ADMISSION_S, AsyncEngine, EngineDeadError, QueueFullError)
-from vgraph.engine.core_client import EngineCoreClient
+from vgraph.engine.client import STALLED_ADMISSION_S, EngineClient, EngineDeadError, QueueFullError
 from vgraph.engine.core_process import CoreProcessConfig
+from vgraph.engine.transports import ProcessTransport, ThreadTransport
 from vgraph.models.demo import DEMO_MODEL_NAME
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
@@ -50,7 +50,7 @@ def llm() -> LLM:
 
 def test_thread_front_releases_every_failed_booking(llm, monkeypatch):
     async def main() -> None:
-        front = AsyncEngine(lambda: llm.engine, max_queue_len=1024)
+        front = EngineClient(ThreadTransport(lambda: llm.engine), max_queue_len=1024)
         front.start()
         await front.wait_ready()
         try:
@@ -61,8 +61,7 @@ def test_thread_front_releases_every_failed_booking(llm, monkeypatch):
             assert front.queue_length == 0
             # Handing the submission to the engine thread fails.
             with monkeypatch.context() as patch:
-                # (the idle engine thread is blocked in the real queue's get meanwhile)
-                patch.setattr(front, "_commands", _BrokenQueue())
+                patch.setattr(front.transport, "send", _raise(RuntimeError("queue broken")))
                 with pytest.raises(RuntimeError, match="queue broken"):
                     await front.add_requests([("lost", "hi", SamplingParams(n=64, max_tokens=2))])
             assert front.queue_length == 0
@@ -89,7 +88,7 @@ def test_thread_front_releases_every_failed_booking(llm, monkeypatch):
 
 def test_thread_front_engine_death_releases_waiting_bookings(llm, monkeypatch):
     async def main() -> None:
-        front = AsyncEngine(lambda: llm.engine)
+        front = EngineClient(ThreadTransport(lambda: llm.engine))
         front.start()
         await front.wait_ready()
         release = threading.Event()
@@ -98,7 +97,8 @@ def test_thread_front_engine_death_releases_waiting_bookings(llm, monkeypatch):
         task = asyncio.ensure_future(front.add_requests([("w", "hi", SamplingParams(n=4, max_tokens=2))]))
         await asyncio.sleep(0.2)
         assert front.queue_length == 4
-        front._on_fatal(RuntimeError("the engine died"))  # what the engine thread posts when it fails
+        # What the engine thread posts when it fails:
+        front._on_fatal(RuntimeError("boom"), EngineDeadError("the engine died"))
         with pytest.raises(EngineDeadError, match="the engine died"):
             await task
         assert front.queue_length == 0
@@ -113,9 +113,10 @@ def test_thread_front_engine_death_releases_waiting_bookings(llm, monkeypatch):
 # ---------------------------------------------------------------------------- engine in a process
 
 
-def _core_front(max_queue_len=None) -> EngineCoreClient:
-    return EngineCoreClient(CoreProcessConfig(model=DEMO_MODEL_NAME, engine_kwargs=dict(ENGINE_KWARGS),
-                                              log_level="WARNING", num_threads=1), max_queue_len=max_queue_len)
+def _core_front(max_queue_len=None) -> EngineClient:
+    config = CoreProcessConfig(model=DEMO_MODEL_NAME, engine_kwargs=dict(ENGINE_KWARGS), log_level="WARNING",
+                               num_threads=1)
+    return EngineClient(ProcessTransport(config), max_queue_len=max_queue_len)
 
 
 def test_process_front_releases_every_failed_booking(monkeypatch):
@@ -132,7 +133,7 @@ def test_process_front_releases_every_failed_booking(monkeypatch):
                 assert front.queue_length == 0
             import zmq
             with monkeypatch.context() as patch:
-                patch.setattr(front, "_send_bytes", _raise(zmq.ZMQError(msg="socket broken")))
+                patch.setattr(front.transport, "send", _raise(zmq.ZMQError(msg="socket broken")))
                 with pytest.raises(zmq.ZMQError):
                     await front.add_requests([("s", "hello", SamplingParams(n=64, max_tokens=2))])
             assert front.queue_length == 0 and not front._unanswered and not front._collectors
@@ -154,7 +155,7 @@ def test_process_front_stall_is_seen_and_death_releases_bookings():
         front.start()
         await front.wait_ready()
         try:
-            os.kill(front.process.pid, signal.SIGSTOP)
+            os.kill(front.transport.process.pid, signal.SIGSTOP)
             task = asyncio.ensure_future(front.add_requests([("x", "hello", SamplingParams(n=32, max_tokens=2))]))
             await asyncio.sleep(0.3)
             assert front.queue_length == 32
@@ -163,7 +164,7 @@ def test_process_front_stall_is_seen_and_death_releases_bookings():
             assert front.admission_stall() is None
             now = asyncio.get_running_loop().time() + STALLED_ADMISSION_S + 1  # monotonic, like the booking
             assert "waited" in front.admission_stall(now=now)
-            os.kill(front.process.pid, signal.SIGKILL)
+            os.kill(front.transport.process.pid, signal.SIGKILL)
             with pytest.raises(EngineDeadError, match="exited unexpectedly"):
                 await task
             assert front.queue_length == 0
@@ -177,7 +178,3 @@ def _raise(error: BaseException):
     def fail(*args, **kwargs):
         raise error
     return fail
-
-
-class _BrokenQueue:
-    put = staticmethod(_raise(RuntimeError("queue broken")))

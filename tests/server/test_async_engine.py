@@ -1,4 +1,5 @@
-"""``AsyncEngine`` in process: same tokens as the offline API, atomic submission, aborts, failures."""
+"""``EngineClient`` over the thread transport (the engine on a thread of this process): same tokens
+as the offline API, atomic submission, aborts, failures."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,8 @@ import threading
 import pytest
 
 from vgraph import LLM, SamplingParams
-from vgraph.engine.async_engine import AsyncEngine, EngineDeadError, RequestTooLargeError
+from vgraph.engine.client import EngineClient, EngineDeadError, RequestTooLargeError
+from vgraph.engine.transports import ThreadTransport
 from vgraph.engine.stats import StepOutput
 from vgraph.models.demo import DEMO_MODEL_NAME
 
@@ -18,6 +20,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def llm() -> LLM:
     return LLM(DEMO_MODEL_NAME, enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02,
                max_num_seqs=8)
+
+
+def _thread_client(factory, **kwargs) -> EngineClient:
+    return EngineClient(ThreadTransport(factory), **kwargs)
 
 
 def _run(coro):
@@ -42,7 +48,7 @@ def test_outputs_equal_the_offline_api(llm, monkeypatch):
     monkeypatch.setattr(llm.engine, "step", recording_step)
 
     async def main() -> list[str]:
-        engine = AsyncEngine(lambda: llm.engine, on_step=reports.append)
+        engine = _thread_client(lambda: llm.engine, on_step=reports.append)
         engine.start()
         await engine.wait_ready()
 
@@ -68,7 +74,7 @@ def test_outputs_equal_the_offline_api(llm, monkeypatch):
 
 def test_a_bad_prompt_rejects_the_whole_batch_and_aborts_free_everything(llm):
     async def main() -> None:
-        engine = AsyncEngine(lambda: llm.engine)
+        engine = _thread_client(lambda: llm.engine)
         engine.start()
         await engine.wait_ready()
         try:
@@ -92,7 +98,7 @@ def test_a_bad_prompt_rejects_the_whole_batch_and_aborts_free_everything(llm):
 
 def test_the_queue_limit(llm):
     async def main() -> None:
-        engine = AsyncEngine(lambda: llm.engine, max_queue_len=2)
+        engine = _thread_client(lambda: llm.engine, max_queue_len=2)
         engine.start()
         await engine.wait_ready()
         try:
@@ -116,7 +122,7 @@ def test_a_failing_step_wakes_every_waiter_and_reports_once(llm, monkeypatch):
         raise RuntimeError("boom")
 
     async def main() -> None:
-        engine = AsyncEngine(lambda: llm.engine, on_fatal=fatal.append)
+        engine = _thread_client(lambda: llm.engine, on_fatal=fatal.append)
         engine.start()
         await engine.wait_ready()
         monkeypatch.setattr(llm.engine, "step", broken_step)
@@ -139,7 +145,7 @@ def test_a_failing_factory_is_the_startup_error():
         def factory():
             raise FileNotFoundError("no such model")
 
-        engine = AsyncEngine(factory)
+        engine = _thread_client(factory)
         engine.start()
         with pytest.raises(FileNotFoundError):
             await engine.wait_ready()

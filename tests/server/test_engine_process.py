@@ -23,7 +23,8 @@ from vgraph import LLM, PoolingParams, SamplingParams
 from vgraph.config import EngineConfig
 from vgraph.engine.core_codec import (EngineFacts, OutputDelta, SequenceDelta, decode_delta, decode_error,
                                       decode_params, encode_delta, encode_error, encode_params, pack, unpack)
-from vgraph.engine.core_process import _CoreLoop
+from vgraph.engine.core_process import encode_step
+from vgraph.engine.inputs import InputError
 from vgraph.engine.llm_engine import LLMEngine
 from vgraph.engine.output_processor import OutputProcessor
 from vgraph.engine.stats import EngineStats
@@ -46,7 +47,7 @@ def test_params_and_outputs_survive_the_encoding():
     assert decode_params(unpack(pack(encode_params(choice)))) == choice
     pooling = PoolingParams(pooling_type="mean", normalize=False)
     assert decode_params(unpack(pack(encode_params(pooling)))) == pooling
-    delta = OutputDelta("r", [SequenceDelta(1, [5, 9], [{9: -0.25, 3: -1.5}, {1: -2.0}], -2.25, "stop", 9)], 4,
+    delta = OutputDelta("r", [SequenceDelta(1, [5, 9], [{9: -0.25, 3: -1.5}, {1: -2.0}], "stop", 9)], 4,
                         [None, {4: -0.125, 2: -3.0}])
     back = decode_delta(unpack(pack(encode_delta(delta))))
     assert back == delta and list(back.sequences[0].new_logprobs[0]) == [9, 3], "int keys, in order"
@@ -60,6 +61,8 @@ def test_errors_keep_the_types_the_server_maps():
     assert type(decode_error(encode_error(ValueError("bad")))) is ValueError
     assert str(decode_error(encode_error(ValueError("bad")))) == "bad"
     assert isinstance(decode_error(encode_error(ModelLoadError("gone"))), ModelLoadError)
+    refused = decode_error(encode_error(InputError("prompt (3 tokens) + max_tokens (9) exceeds", "max_tokens")))
+    assert isinstance(refused, ValueError) and refused.param == "max_tokens", "bad input keeps its field"
 
     class Odd(Exception):
         pass
@@ -70,8 +73,6 @@ def test_errors_keep_the_types_the_server_maps():
 def _run_split(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> list:
     """Runs requests the way the two processes do, in this one: the engine without text, the
     deltas through the encoding, the server's OutputProcessor, its stops back to the engine."""
-    messages: list[bytes] = []
-    core = _CoreLoop(engine, messages.append)
     frontend = OutputProcessor(engine.tokenizer)
     finals = {}
     for i, prompt in enumerate(prompts):
@@ -79,8 +80,7 @@ def _run_split(engine: LLMEngine, prompts: list[str], params: SamplingParams) ->
         engine.add_request(str(i), ids, decode_params(unpack(pack(encode_params(params)))))
         frontend.add(str(i), prompt, ids, params)
     while engine.has_unfinished_requests():
-        core._send_step(engine.step())
-        _, deltas, _, _ = unpack(messages.pop())
+        _, deltas, _, _ = unpack(pack(encode_step(engine.step())))
         outputs, finishes = frontend.process([decode_delta(d) for d in deltas])
         engine.finish_sequences(finishes)
         finals.update((o.request_id, o) for o in outputs if o.finished)
@@ -93,7 +93,7 @@ def test_server_side_detokenization_and_stop_strings_equal_the_engine_s():
     token ids, logprobs, finish and stop reasons, for every sequence of an n > 1 request."""
     kwargs = dict(enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02, max_num_seqs=8)
     in_process = LLM(DEMO_MODEL_NAME, **kwargs)
-    split = LLMEngine(EngineConfig.from_kwargs(DEMO_MODEL_NAME, **kwargs), detokenize=False)
+    split = LLMEngine(EngineConfig.from_kwargs(DEMO_MODEL_NAME, **kwargs))
     prompts = ["def add(a, b):", "import os\n", "class Point:"]
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=40, stop=[")", "\n\n", "self"], logprobs=1)
     expected = in_process.generate(prompts, params, use_tqdm=False)

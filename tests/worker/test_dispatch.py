@@ -14,6 +14,7 @@ from vgraph.sampling_params import SamplingParams
 from vgraph.worker.batch import BatchBuilder, FlatBatch
 from vgraph.worker.cuda_graphs import DecodeBuffers
 from vgraph.worker.dispatch import BatchShape, Decision, Path, capture_sizes, choose, default_capture_sizes
+from vgraph.core.outputs import ModelRunnerOutput
 
 DEFAULT = capture_sizes(CompileConfig(), max_num_seqs=256, max_num_batched_tokens=8192)
 BOTH = CudaGraphMode.FULL_AND_PIECEWISE
@@ -54,7 +55,7 @@ def test_sizes_can_be_overridden_and_are_validated():
 
 
 def test_sizes_below_the_forwards_smallest_shape_are_raised_to_it():
-    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4]), 256, 512, min_tokens=2)
+    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4]), 256, 512, min_forward_rows=2)
     assert b.full == b.piecewise == (2, 4)
 
 
@@ -97,8 +98,8 @@ def test_each_mode_offers_only_its_paths(mode, shape, expected):
 
 
 def test_the_compiled_forwards_smallest_shape_pads_single_rows():
-    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE, min_tokens=2) == Decision(Path.NONE, 2, 1)
-    assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE, min_tokens=2) == Decision(Path.NONE, 5, 5)
+    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE, min_forward_rows=2) == Decision(Path.NONE, 2, 1)
+    assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE, min_forward_rows=2) == Decision(Path.NONE, 5, 5)
 
 
 def test_every_shape_the_scheduler_can_produce_has_a_path():
@@ -125,7 +126,7 @@ def _add(s: Scheduler, rid: str, prompt_len: int) -> None:
 
 def _step(s: Scheduler):
     sched = s.schedule()
-    s.update(sched, {x.request.request_id: 7 for x in sched.scheduled if x.produces_token})
+    s.update(sched, ModelRunnerOutput({x.request.request_id: 7 for x in sched.scheduled if x.produces_token}))
     return sched
 
 
@@ -136,7 +137,7 @@ def test_pure_decode_is_judged_from_the_scheduler_output():
     prefill = s.schedule()
     assert BatchShape.of_scheduled(prefill) == mixed(16, 3)
     assert choose(BatchShape.of_scheduled(prefill), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
-    s.update(prefill, {x.request.request_id: 7 for x in prefill.scheduled})
+    s.update(prefill, ModelRunnerOutput({x.request.request_id: 7 for x in prefill.scheduled}))
     step = s.schedule()
     assert BatchShape.of_scheduled(step) == decode(3)
     assert choose(BatchShape.of_scheduled(step), DEFAULT, BOTH) == Decision(Path.FULL, 4, 3)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vgraph.config import CudaGraphMode
-from vgraph.worker.cuda_graphs import PIECE_GRAPH_BYTES, GraphRunner, estimate_capture_bytes
+from vgraph.worker.cuda_graphs import PIECE_GRAPH_BYTES, ForwardRunner, estimate_capture_bytes
 from vgraph.worker.dispatch import Buckets
 
 GIB = 1 << 30
@@ -36,9 +36,9 @@ class FakeDevice:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
-def _piecewise_runner(buckets: tuple[int, ...]) -> GraphRunner:
+def _piecewise_runner(buckets: tuple[int, ...]) -> ForwardRunner:
     builder = SimpleNamespace(device=torch.device("cuda"), block_size=16, max_model_len=64)
-    return GraphRunner(lambda ids, pos: ids, [], 1.0, builder, CudaGraphMode.PIECEWISE,
+    return ForwardRunner(lambda ids, pos: ids, [], 1.0, builder, CudaGraphMode.PIECEWISE,
                        Buckets((), buckets), 1)
 
 

@@ -11,7 +11,7 @@ from ..sampling_params import SamplingParams
 from ..structured.matcher import GrammarState
 
 if TYPE_CHECKING:
-    from ..worker.pooling import PoolingState
+    from .outputs import PoolingState
 
 
 class RequestStatus(enum.Enum):

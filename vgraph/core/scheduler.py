@@ -15,16 +15,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 from ..config import CacheConfig, SchedulerConfig
 from .block_pool import BlockPool
 from .kv_cache_manager import KVCacheManager, token_slice
+from .outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
 from .request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from ..worker.pooling import PooledChunk
-    from ..worker.prompt_logprobs import PromptLogprobs
 
 
 @dataclass
@@ -222,10 +220,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-               logprobs: Optional[dict[str, dict[int, float]]] = None,
-               prompt_logprobs: Optional[dict[str, "PromptLogprobs"]] = None,
-               pooled: Optional[dict[str, "PooledChunk"]] = None) -> list[Request]:
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Applies a step's results; returns the requests that got a token (finished included)
         and the prefill-only requests that finished their prompt (status "length").
 
@@ -238,10 +233,10 @@ class Scheduler:
             request = scheduled.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            self._apply_prompt_results(request, prompt_logprobs, pooled)
+            self._apply_prompt_results(request, result.prompt_logprobs, result.pooled)
             request.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.produces_token:
-                self._append_token(request, sampled_token_ids[request.request_id], logprobs)
+                self._append_token(request, result.sampled[request.request_id], result.logprobs)
                 new_token_requests.append(request)
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             if scheduled.produces_token and self._check_stop(request):
@@ -257,8 +252,8 @@ class Scheduler:
         return new_token_requests
 
     @staticmethod
-    def _apply_prompt_results(request: Request, prompt_logprobs: Optional[dict[str, "PromptLogprobs"]],
-                              pooled: Optional[dict[str, "PooledChunk"]]) -> None:
+    def _apply_prompt_results(request: Request, prompt_logprobs: Optional[dict[str, PromptLogprobs]],
+                              pooled: Optional[dict[str, PooledChunk]]) -> None:
         """Folds a chunk's prompt logprobs and pooled share into the request."""
         if prompt_logprobs is not None and request.request_id in prompt_logprobs:
             result = prompt_logprobs[request.request_id]

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from ..config import EngineConfig
 from ..core.scheduler import SchedulerOutput
-from ..worker.runner import StepResult
+from ..core.outputs import ModelRunnerOutput
 from ..worker.startup import StartupReport
 from .mirror import StepEncoder
 from .worker import COUNTERS, SHUTDOWN, STEP, WorkerArgs, WorkerInfo, worker_main
@@ -133,10 +133,10 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def execute(self, sched: SchedulerOutput) -> StepResult:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Broadcasts the step; returns rank 0's result."""
         if not sched.scheduled:
-            return StepResult({}, None)
+            return ModelRunnerOutput({}, None)
         self._check_running()
         return self._broadcast((STEP, self._encoder.encode(sched)))[0]
 

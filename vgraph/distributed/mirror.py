@@ -19,7 +19,7 @@ from ..core.request import Request
 from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sampling_params import SamplingParams
 from ..structured.bitmask import GrammarMasks, fill_masks
-from ..worker.pooling import PoolingState
+from ..core.outputs import PoolingState
 
 
 @dataclass(frozen=True)

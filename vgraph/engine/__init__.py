@@ -1,1 +1,2 @@
-"""Engine-side pieces around the step loop: LLMEngine, AsyncEngine, the offline LLM, detokenization."""
+"""The engine and its callers: LLMEngine (the step), EngineLoop (serving it), EngineClient and its
+transports (the server's side), OutputProcessor (text and outputs), the offline LLM, launch (the topology)."""

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import msgpack
 
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
+from .inputs import InputError
+from .outputs import OutputDelta, SequenceDelta
 from .stats import EngineStats, RequestTiming
 
 # Kinds of message, the first item of each.
@@ -96,33 +98,10 @@ def decode_timing(data: list) -> RequestTiming:
 
 # ---------------------------------------------------------------------------- outputs
 
-@dataclass
-class SequenceDelta:
-    """What one sequence gained in one step: tokens (with their logprobs) and, once, its end."""
-
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: Optional[list[dict[int, float]]]  # None unless the request asked for logprobs
-    cumulative_logprob: Optional[float]
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-
-
-@dataclass
-class OutputDelta:
-    """One request's news from one step (``embedding`` set for a pooling request, which ends at once)."""
-
-    request_id: str
-    sequences: list[SequenceDelta] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once, when complete
-    embedding: Optional[list[float]] = None
-
-
 def encode_delta(delta: OutputDelta) -> list:
     if delta.embedding is not None:
-        return [_EMBEDDING, delta.request_id, delta.embedding]
-    seqs = [[s.index, s.new_token_ids, s.new_logprobs, s.cumulative_logprob, s.finish_reason, s.stop_reason]
+        return [_EMBEDDING, delta.request_id, list(delta.embedding)]
+    seqs = [[s.index, s.new_token_ids, s.new_logprobs, s.finish_reason, s.stop_reason]
             for s in delta.sequences]
     return [_GENERATION, delta.request_id, seqs, delta.num_cached_tokens, delta.prompt_logprobs]
 
@@ -137,6 +116,8 @@ def decode_delta(data: list) -> OutputDelta:
 # ---------------------------------------------------------------------------- errors
 
 def encode_error(error: BaseException) -> list:
+    if isinstance(error, InputError):  # bad input keeps the field it names
+        return ["InputError", str(error), error.param]
     return [type(error).__name__, str(error)]
 
 
@@ -149,7 +130,9 @@ def decode_error(data: list) -> Exception:
     ``ValueError`` for bad input) and the model loader's ``ModelLoadError`` keep their type, so
     the HTTP mapping and the CLI's one-line user errors work the same; others keep their
     type's name in the message."""
-    name, message = data
+    name, message = data[:2]
+    if name == "InputError":
+        return InputError(message, data[2])
     kind = getattr(builtins, name, None)
     if isinstance(kind, type) and issubclass(kind, Exception):
         return kind(message)

@@ -4,15 +4,15 @@
 torch's thread pools, OpenMP and CUDA state must not be forked) and talks to it over two ZMQ
 PUSH/PULL sockets on ``ipc://`` paths in a private temporary directory, with the messages of
 ``core_codec``. The server process keeps HTTP, tokenization and detokenization
-(``core_client``), so none of that takes CPU time from the step loop, and this process does
-nothing but take commands and step.
+(``EngineClient`` over ``ProcessTransport``), so none of that takes CPU time from the step
+loop, and this process does nothing but take commands and step (``EngineLoop``).
 
 - Startup: the engine is built here; ``ready`` carries what the server needs, a failure
   ``startup_failed`` with its type and message (the CLI then prints one line for a user error).
 - The loop: blocks on the command queue only when idle; adds are accepted or refused
   atomically (one ``accepted`` per batch, before any step that could produce its outputs).
-- Outputs: per step, each request's *new* tokens only (a cumulative output would grow the
-  messages quadratically with the output length), its timings and the engine's stats.
+- Outputs: per step, the engine's deltas as they are (each request's *new* tokens), the
+  timings and the engine's stats.
 - Ending: ``shutdown`` aborts whatever is left and exits 0; a failing step sends ``fatal`` and
   exits 1. SIGINT and SIGTERM are ignored: the server owns the lifecycle (it drains first,
   then sends ``shutdown``), and a signal sent to the whole process group must not cut the
@@ -31,11 +31,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .core_codec import (ABORT, ACCEPTED, ADD, FATAL, FINISH, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts,
-                         OutputDelta, SequenceDelta, decode_params, encode_delta, encode_error, encode_stats,
-                         encode_timing, pack, unpack)
-from .outputs import EmbeddingRequestOutput, RequestOutput
-from .stats import RequestTiming, StepOutput
+from .core_codec import (ACCEPTED, ADD, FATAL, READY, STARTUP_FAILED, STEP, decode_params, encode_delta, encode_error,
+                         encode_stats, encode_timing, pack, unpack)
+from .stats import EngineStep
 
 logger = logging.getLogger("vgraph")
 
@@ -86,13 +84,10 @@ def run_engine_core(config: CoreProcessConfig) -> None:
 
 
 def _run(config: CoreProcessConfig, commands_socket: Any, send: Callable[[bytes], Any]) -> int:
+    from .core_loop import EngineLoop, engine_facts
     try:
         engine = build_engine(config)
-        facts = EngineFacts(model_path=engine.config.model.model,
-                            tokenizer_path=engine.config.model.tokenizer or engine.config.model.model,
-                            max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
-                            max_logprobs=engine.config.max_logprobs, eos_token_ids=sorted(engine.eos_token_ids),
-                            stats=engine.stats())
+        facts = engine_facts(engine)
     except Exception as exc:  # reported to the server, which decides how to exit
         logger.debug("building the engine failed", exc_info=exc)
         send(pack([STARTUP_FAILED, encode_error(exc)]))
@@ -101,8 +96,11 @@ def _run(config: CoreProcessConfig, commands_socket: Any, send: Callable[[bytes]
     commands: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive, args=(commands_socket, commands), name="vgraph-core-input", daemon=True).start()
     send(pack([READY, facts.encode()]))
+    loop = EngineLoop(engine, lambda batch_id, error: send(pack([ACCEPTED, batch_id, None if error is None
+                                                                  else encode_error(error)])),
+                      lambda step: send(pack(encode_step(step))))
     try:
-        _CoreLoop(engine, send).serve(commands)
+        loop.serve(commands)
     except Exception as exc:
         logger.exception("engine step failed; the engine is dead")
         send(pack([FATAL, encode_error(exc)]))
@@ -110,8 +108,13 @@ def _run(config: CoreProcessConfig, commands_socket: Any, send: Callable[[bytes]
     return 0
 
 
+def encode_step(step: EngineStep) -> list:
+    return [STEP, [encode_delta(d) for d in step.deltas], [encode_timing(t) for t in step.timings],
+            encode_stats(step.stats)]
+
+
 def build_engine(config: CoreProcessConfig) -> Any:
-    """The ``LLMEngine`` the config describes, leaving detokenization to the server."""
+    """The ``LLMEngine`` the config describes."""
     from ..config import EngineConfig
     from ..passes.loading import load_pass
     from .llm_engine import LLMEngine
@@ -119,7 +122,7 @@ def build_engine(config: CoreProcessConfig) -> Any:
         sys.path.append(os.getcwd())
     passes = [load_pass(spec) for spec in config.pass_specs]
     engine_config = EngineConfig.from_kwargs(config.model, **config.engine_kwargs, passes=passes)
-    return LLMEngine(engine_config, detokenize=False)
+    return LLMEngine(engine_config)
 
 
 def _receive(sock: Any, commands: queue.SimpleQueue) -> None:
@@ -128,82 +131,17 @@ def _receive(sock: Any, commands: queue.SimpleQueue) -> None:
     import zmq
     try:
         while True:
-            commands.put(unpack(sock.recv()))
+            commands.put(decode_command(unpack(sock.recv())))
     except zmq.ContextTerminated:
         sock.close()
 
 
-class _CoreLoop:
-    """The step loop, and which tokens of each request the server has been sent."""
-
-    def __init__(self, engine: Any, send: Callable[[bytes], Any]) -> None:
-        self.engine = engine
-        self.send = send
-        self._sent: dict[str, list[int]] = {}  # request id -> tokens sent per sequence
-        self._prompt_logprobs_sent: set[str] = set()
-        self._traced: set[type] = set()
-
-    def serve(self, commands: queue.SimpleQueue) -> None:
-        from .async_engine import add_atomically
-        engine = self.engine
-        while True:
-            batch = [commands.get()] if not engine.has_unfinished_requests() else []
-            while True:
-                try:
-                    batch.append(commands.get_nowait())
-                except queue.Empty:
-                    break
-            timings: list[RequestTiming] = []
-            for command in batch:
-                kind = command[0]
-                if kind == SHUTDOWN:
-                    engine.abort_all()
-                    return
-                if kind == ADD:
-                    _, batch_id, submitted, items = command
-                    decoded = [(rid, ids, decode_params(params)) for rid, ids, params in items]
-                    error = add_atomically(engine, decoded, submitted, self._traced)
-                    self.send(pack([ACCEPTED, batch_id, None if error is None else encode_error(error)]))
-                elif kind == ABORT:
-                    timings.extend(engine.abort_request(command[1]))
-                    self._forget(command[1])
-                elif kind == FINISH:
-                    finished = engine.finish_sequences([tuple(item) for item in command[1]])
-                    timings.extend(finished)
-                    self._forget([t.request_id for t in finished])
-                else:
-                    raise ValueError(f"unknown command {kind!r}")
-            if batch:
-                self._send_step(StepOutput([], timings, engine.stats()))
-            if engine.has_unfinished_requests():
-                self._send_step(engine.step())
-
-    def _send_step(self, step: StepOutput) -> None:
-        deltas = [encode_delta(self._delta(out)) for out in step.outputs]
-        self.send(pack([STEP, deltas, [encode_timing(t) for t in step.timings], encode_stats(step.stats)]))
-
-    def _delta(self, out: RequestOutput | EmbeddingRequestOutput) -> OutputDelta:
-        if isinstance(out, EmbeddingRequestOutput):
-            return OutputDelta(out.request_id, embedding=list(out.outputs.embedding))
-        sent = self._sent.setdefault(out.request_id, [0] * len(out.outputs))
-        sequences = []
-        for c in out.outputs:
-            start = sent[c.index]
-            sent[c.index] = len(c.token_ids)
-            sequences.append(SequenceDelta(c.index, c.token_ids[start:], None if c.logprobs is None else c.logprobs[start:],
-                                           c.cumulative_logprob, c.finish_reason, c.stop_reason))
-        prompt_logprobs = None
-        if out.prompt_logprobs is not None and out.request_id not in self._prompt_logprobs_sent:
-            prompt_logprobs = out.prompt_logprobs
-            self._prompt_logprobs_sent.add(out.request_id)
-        if out.finished:
-            self._forget([out.request_id])
-        return OutputDelta(out.request_id, sequences, out.num_cached_tokens, prompt_logprobs)
-
-    def _forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._sent.pop(rid, None)
-            self._prompt_logprobs_sent.discard(rid)
+def decode_command(message: list) -> tuple:
+    """A command as ``EngineLoop`` takes it: an ``add``'s parameters decoded."""
+    if message[0] == ADD:
+        _, batch_id, submitted, items = message
+        return ADD, batch_id, submitted, [(rid, ids, decode_params(params)) for rid, ids, params in items]
+    return tuple(message)
 
 
 def _setup_logging(level: str) -> None:

@@ -1,8 +1,8 @@
 """``DataParallelEngine``: N independent engine replicas behind one server, as one engine.
 
 Scale-out within a machine: each replica is a whole engine (its own scheduler, model copy and
-KV cache; an ``EngineCoreClient`` over its own engine-core process, or an ``AsyncEngine``
-thread), and this class presents the interface the server uses of one ``AsyncEngine``
+KV cache; an ``EngineClient`` over its own engine-core process or engine thread), and this
+class presents the interface the server uses of one ``EngineClient``
 (``start``/``wait_ready``/``shutdown``, ``add_requests``/``generate``/``abort``, the
 ``on_step``/``on_fatal`` callbacks, the facts about the model), so the routes, the metrics and
 the lifecycle do not know how many replicas there are.
@@ -29,7 +29,7 @@ import logging
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from ..sampling_params import SamplingParams
-from .async_engine import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError, StreamingFront
+from .client import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError, StreamingFront
 from .dp_router import PrefixAffinityRouter, RouterConfig, least_loaded
 from .inputs import PromptType
 from .stats import EngineStats, StepOutput, aggregate_stats
@@ -40,8 +40,7 @@ Items = Sequence[tuple[str, PromptType, SamplingParams]]
 
 
 class Replica(Protocol):
-    """What this class needs of each replica: the ``AsyncEngine`` interface (which
-    ``EngineCoreClient`` has too)."""
+    """What this class needs of each replica: the ``EngineClient`` interface."""
 
     on_step: Optional[Callable[[StepOutput], None]]
     on_fatal: Optional[Callable[[BaseException], None]]
@@ -66,7 +65,7 @@ def _replica_fact(name: str, doc: str) -> property:
 
 
 class DataParallelEngine(StreamingFront):
-    """N replicas with the ``AsyncEngine`` interface, presented as one (see the module docstring)."""
+    """N replicas with the ``EngineClient`` interface, presented as one (see the module docstring)."""
 
     def __init__(self, replicas: Sequence[Replica], router: PrefixAffinityRouter, *,
                  on_step: Optional[Callable[[StepOutput], None]] = None,
@@ -109,7 +108,7 @@ class DataParallelEngine(StreamingFront):
         return aggregate_stats([replica.stats for replica in self.replicas])
 
     def admission_stall(self) -> Optional[str]:
-        """The first replica whose admission looks stuck, and why (see ``OneEngineFront``)."""
+        """The first replica whose admission looks stuck, and why (see ``EngineClient``)."""
         for index, replica in enumerate(self.replicas):
             stall = replica.admission_stall()
             if stall is not None:
@@ -133,7 +132,7 @@ class DataParallelEngine(StreamingFront):
     # ------------------------------------------------------------------ requests
 
     async def add_requests(self, items: Items) -> OutputCollector:
-        """Submits ``items`` to one replica, atomically (see ``AsyncEngine.add_requests``)."""
+        """Submits ``items`` to one replica, atomically (see ``EngineClient.add_requests``)."""
         self._check_accepting()
         if not items:
             raise ValueError("no requests to add")

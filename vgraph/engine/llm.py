@@ -9,9 +9,11 @@ from tqdm.auto import tqdm
 from ..config import CompileConfig, EngineConfig
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from .inputs import PromptType, template_supports_tools
+from .inputs import PromptType, prompt_to_ids, template_supports_tools
 from .llm_engine import LLMEngine
-from .outputs import EmbeddingRequestOutput, RequestOutput
+from .output_processor import OutputProcessor
+from .outputs import EmbeddingRequestOutput, OutputKind, RequestOutput
+from .stats import StepOutput
 
 Conversation = list[dict[str, Any]]
 
@@ -39,6 +41,7 @@ class LLM:
         config = EngineConfig.from_kwargs(model, compile_config=compile_config, enforce_eager=enforce_eager,
                                           **kwargs)
         self.engine = LLMEngine(config)
+        self.outputs = OutputProcessor(self.engine.tokenizer)  # each request's output, built once it finishes
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -79,12 +82,37 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, final_only=True)
+                self.add_request(rid, prompt, p, OutputKind.FINAL_ONLY)
                 ids.append(rid)
         except Exception:
-            self.engine.abort_request(ids)  # nothing half-submitted stays in the engine
+            self.abort_request(ids)  # nothing half-submitted stays in the engine
             raise
         return self._run(ids, use_tqdm)
+
+    # ------------------------------------------------------------------ stepping by hand
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
+                    kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None) -> None:
+        """Submits one request to be stepped with ``step`` (``generate`` does both); ``kind``
+        says which outputs ``step`` returns for it. A bad request raises ValueError."""
+        text, token_ids = prompt_to_ids(prompt, self.engine.tokenizer)
+        self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params, arrival_time)
+        self.outputs.add(request_id, text, token_ids, params, kind)
+
+    def step(self) -> StepOutput:
+        """One engine step: the outputs due (per each request's ``OutputKind``), the timings and
+        the engine's state. Sequences ended by a stop string are ended in the engine too."""
+        step = self.engine.step()
+        outputs, finishes = self.outputs.process(step.deltas)
+        timings = step.timings + (self.engine.finish_sequences(finishes) if finishes else [])
+        return StepOutput(outputs, timings, step.stats)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        self.outputs.remove(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -135,12 +163,12 @@ class LLM:
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step().outputs:
+                for out in self.step().outputs:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
         except BaseException:
-            self.engine.abort_request([i for i in ids if i not in done])
+            self.abort_request([i for i in ids if i not in done])
             raise
         finally:
             bar.close()

@@ -16,7 +16,7 @@ from ..models.loader import load_generation_config, load_hf_config, load_tokeniz
 from ..models.quantization import resolve_quantization
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from ..worker.pooling import PoolingState
+from ..core.outputs import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.matcher import GrammarState
 from ..distributed.executor import MultiprocExecutor
@@ -24,23 +24,14 @@ from ..distributed.sharding import check_divisible
 from ..models.llama import arch_spec
 from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
-from .detokenizer import IncrementalDetokenizer
 from .inputs import PromptType, check_prompt, prompt_to_ids
-from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from .stats import EngineStats, RequestTiming, StepOutput
+from .outputs import OutputDelta, SequenceDelta
+from .stats import EngineStep, EngineStats, RequestTiming
 
 logger = logging.getLogger("vgraph")
 
 # What a pooling request's Request carries as sampling parameters: it samples nothing.
 _PREFILL_ONLY = SamplingParams(max_tokens=0)
-
-
-@dataclass
-class _Sequence:
-    request: Request
-    # None for a pooling request (no text), and when the caller detokenizes (``detokenize=False``)
-    detokenizer: Optional[IncrementalDetokenizer]
-    cumulative_logprob: float = 0.0  # of the chosen tokens, kept as they arrive
 
 
 @dataclass
@@ -52,36 +43,34 @@ class _Group:
     """
 
     request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
+    num_prompt_tokens: int
     arrival: float
-    final_only: bool = False  # the caller wants its output once, when it finishes
-    sequences: list[_Sequence] = field(default_factory=list)
+    sequences: list[Request] = field(default_factory=list)
     first_scheduled: Optional[float] = None
     first_token: Optional[float] = None
     last_token: Optional[float] = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
-        return all(s.request.status.finished for s in self.sequences)
+        return all(r.status.finished for r in self.sequences)
 
     @property
     def finish_reasons(self) -> list[str]:
         """One per sequence; "abort" for a sequence not finished by itself (it is being aborted)."""
-        return [s.request.finish_reason or "abort" for s in self.sequences]
+        return [r.finish_reason or "abort" for r in self.sequences]
 
 
 class LLMEngine:
     """Resolves the configuration once, starts a runner and a scheduler over its KV cache,
     and steps them. ``self.config`` is the resolved copy; the caller's object is left as given.
 
-    ``detokenize=False`` leaves text to the caller: outputs carry token ids (and logprobs,
-    finish reasons) with empty text, and stop strings are the caller's to find and report
-    with ``finish_sequences``. The engine-core process runs so, because its server process
-    detokenizes off the step loop's CPU time (see ``core_process``)."""
+    Each step returns token deltas (``OutputDelta``); text is the caller's, through the one
+    ``OutputProcessor``, which also finds stop strings and reports them back with
+    ``finish_sequences``. Every caller works so: ``LLM``, and the server's ``EngineClient``
+    whether this engine runs on its thread or in the engine-core process."""
 
-    def __init__(self, config: EngineConfig, *, detokenize: bool = True) -> None:
-        self.detokenize = detokenize
+    def __init__(self, config: EngineConfig) -> None:
         start, before_engine = time.perf_counter(), process_age()
         path = demo_model_path(config.model.model) or resolve_model_path(config.model.model, config.model.revision)
         hf_config = load_hf_config(path)
@@ -105,7 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len)
         self._groups: dict[str, _Group] = {}
-        self._seq_to_group: dict[str, str] = {}
+        self._seq_to_group: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, its index)
         ready = time.perf_counter() - start
         after_start = before_engine + ready if before_engine is not None else None
         logger.info("startup: %s", engine_timeline(before_engine, config_and_tokenizer, self.runner.startup,
@@ -115,57 +104,50 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    arrival_time: Optional[float] = None, *, final_only: bool = False) -> None:
+                    arrival_time: Optional[float] = None) -> None:
         """Validates everything first: a bad request raises ValueError and touches nothing.
 
         ``arrival_time`` (``time.monotonic()``, default now) is when the request was submitted:
         a server passes the time it took the request, so queue time and latencies include the
         wait before the engine saw it.
-
-        ``final_only``: ``step`` returns this request's output only when it finishes, as
-        ``LLM.generate`` wants it. A streaming caller gets one per step: copying a growing
-        output (token ids, logprobs) every step is quadratic in its length.
         """
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params, arrival, final_only)
+            self._add_pooling_request(request_id, prompt, params, arrival)
             return
         params.validate(self.config.max_logprobs)
-        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        _, ids = prompt_to_ids(prompt, self.tokenizer)
         params = check_prompt(ids, params, self.vocab_size, self.max_model_len)
         spec = params.structured_outputs
         grammar = None if spec is None else self.grammar_compiler.compile(spec)
-        group = _Group(request_id, text, ids, arrival, final_only)
+        group = _Group(request_id, len(ids), arrival)
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             state = None if grammar is None else GrammarState(grammar.matcher(), self.eos_token_ids)
             # The prompt's logprobs are the same for every sequence: the first computes them.
-            req = Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, grammar=state,
-                          num_prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output) if self.detokenize else None
-            group.sequences.append(_Sequence(req, detok))
+            group.sequences.append(Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, grammar=state,
+                                           num_prompt_logprobs=params.prompt_logprobs if i == 0 else None))
         self._admit_group(group)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                             arrival: float, final_only: bool) -> None:
+                             arrival: float) -> None:
         """A prefill-only request whose final hidden states are pooled into an embedding."""
-        text, ids = prompt_to_ids(prompt, self.tokenizer)
+        _, ids = prompt_to_ids(prompt, self.tokenizer)
         check_prompt(ids, _PREFILL_ONLY, self.vocab_size, self.max_model_len)
         model = self.config.model
         pooling = PoolingState(params.pooling_type or model.pooling_type,
                                model.pooling_normalize if params.normalize is None else params.normalize)
-        group = _Group(request_id, text, ids, arrival, final_only)
-        group.sequences.append(_Sequence(Request(request_id, ids, _PREFILL_ONLY, pooling=pooling), None))
+        group = _Group(request_id, len(ids), arrival)
+        group.sequences.append(Request(request_id, ids, _PREFILL_ONLY, pooling=pooling))
         self._admit_group(group)
 
     def _admit_group(self, group: _Group) -> None:
-        for seq in group.sequences:
-            self.scheduler.add_request(seq.request)
-            self._seq_to_group[seq.request.request_id] = group.request_id
+        for index, req in enumerate(group.sequences):
+            self.scheduler.add_request(req)
+            self._seq_to_group[req.request_id] = (group.request_id, index)
         self._groups[group.request_id] = group
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestTiming]:
@@ -178,10 +160,10 @@ class LLMEngine:
         groups = [self._groups[rid] for rid in ids if rid in self._groups]
         # A sequence of an n > 1 request that already stopped keeps its own reason.
         reasons = [g.finish_reasons for g in groups]
-        self.scheduler.abort_requests([s.request.request_id for g in groups for s in g.sequences])
+        self.scheduler.abort_requests([r.request_id for g in groups for r in g.sequences])
         for group in groups:
             self._forget(group.request_id)
-        return [RequestTiming(g.request_id, len(g.prompt_token_ids), finish_reasons=r)
+        return [RequestTiming(g.request_id, g.num_prompt_tokens, finish_reasons=r)
                 for g, r in zip(groups, reasons)]
 
     def abort_all(self) -> list[RequestTiming]:
@@ -189,7 +171,7 @@ class LLMEngine:
         return self.abort_request(list(self._groups))
 
     def finish_sequences(self, items: Sequence[tuple[str, int, Optional[str]]]) -> list[RequestTiming]:
-        """Ends sequences for reasons found by a caller that detokenizes (``detokenize=False``):
+        """Ends sequences for reasons found by the caller's ``OutputProcessor`` (it detokenizes):
         ``(request id, sequence index, stop string)``, a stop string meaning finish reason
         "stop" (it is the stop reason), None meaning "abort" (its text could not be decoded).
 
@@ -201,13 +183,13 @@ class LLMEngine:
             group = self._groups.get(request_id)
             if group is None or not 0 <= index < len(group.sequences):
                 continue
-            req = group.sequences[index].request
+            req = group.sequences[index]
             if not req.status.finished:
                 req.stop_reason = stop
                 status = RequestStatus.FINISHED_ABORTED if stop is None else RequestStatus.FINISHED_STOPPED
                 self.scheduler.finish_requests([req.request_id], status)
             if group.finished:
-                finished.append(RequestTiming(group.request_id, len(group.prompt_token_ids),
+                finished.append(RequestTiming(group.request_id, group.num_prompt_tokens,
                                               e2e_latency=now - group.arrival, finish_reasons=group.finish_reasons))
                 self._forget(group.request_id)
         return finished
@@ -217,40 +199,64 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
-        for seq in group.sequences if group else []:
-            self._seq_to_group.pop(seq.request.request_id, None)
+        for req in group.sequences if group else []:
+            self._seq_to_group.pop(req.request_id, None)
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> StepOutput:
-        """Schedules, runs the model once, and returns the outputs of requests that advanced
-        (of a ``final_only`` request, once it finishes), the timings of requests something
-        happened to, and the engine's state after the step."""
+    def step(self) -> EngineStep:
+        """Schedules, runs the model once, and returns what each request that advanced gained
+        (``OutputDelta``s), the timings of requests something happened to, and the engine's
+        state after the step."""
         sched = self.scheduler.schedule()
         if not sched.scheduled:
-            return StepOutput([], [], self.stats())
+            return EngineStep([], [], self.stats())
         first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
         result = self.runner.execute(sched)
-        advanced = self.scheduler.update(sched, result.sampled, result.logprobs, result.prompt_logprobs,
-                                         result.pooled)
+        advanced = self.scheduler.update(sched, result)
         token_time = time.monotonic()
-        new_tokens: dict[str, int] = {}  # group id -> tokens this step, over its sequences
+        deltas: dict[str, OutputDelta] = {}
+        new_tokens: dict[str, int] = {}  # request id -> tokens this step, over its sequences
         for req in advanced:
-            group_id = self._seq_to_group[req.request_id]
-            if req.prefill_only:  # finished its prompt: an output, but no token
-                new_tokens.setdefault(group_id, 0)
-                continue
-            self._detokenize(self._groups[group_id], req)
-            new_tokens[group_id] = new_tokens.get(group_id, 0) + 1
-        advanced_groups = [self._groups[gid] for gid in new_tokens]
-        outputs = [self._output(g) for g in advanced_groups if not g.final_only or g.finished]
+            group_id, index = self._seq_to_group[req.request_id]
+            delta = deltas.get(group_id)
+            if delta is None:
+                delta = deltas[group_id] = OutputDelta(group_id, num_cached_tokens=req.num_cached_prefix_tokens)
+            new_tokens[group_id] = new_tokens.get(group_id, 0) + self._add_to_delta(delta, index, req)
+        groups = [self._groups[gid] for gid in deltas]
+        for group in groups:
+            self._attach_prompt_logprobs(group, deltas[group.request_id])
         timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
                                 gid in new_tokens)
                    for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
-        for out in outputs:
-            if out.finished:
-                self._forget(out.request_id)
-        return StepOutput(outputs, timings, self.stats())
+        for group in groups:
+            if group.finished:
+                self._forget(group.request_id)
+        return EngineStep(list(deltas.values()), timings, self.stats())
+
+    @staticmethod
+    def _add_to_delta(delta: OutputDelta, index: int, req: Request) -> int:
+        """Adds what ``req`` gained this step to its request's delta; returns its new tokens.
+        A prefill-only sequence gains no token: its finish, or its embedding (pooling)."""
+        if req.pooling is not None:
+            delta.embedding = req.pooling.embedding()
+            return 0
+        if req.prefill_only:
+            delta.sequences.append(SequenceDelta(index, [], None, req.finish_reason, req.stop_reason))
+            return 0
+        wants_logprobs = req.sampling_params.logprobs is not None
+        logprobs = [req.logprobs[-1]] if wants_logprobs and len(req.logprobs) == len(req.output_token_ids) else None
+        delta.sequences.append(SequenceDelta(index, [req.output_token_ids[-1]], logprobs, req.finish_reason,
+                                             req.stop_reason))
+        return 1
+
+    @staticmethod
+    def _attach_prompt_logprobs(group: _Group, delta: OutputDelta) -> None:
+        """The prompt's logprobs go out once, in the step that completed them."""
+        first = group.sequences[0]
+        if first.prompt_logprobs_done and not group.prompt_logprobs_sent:
+            delta.prompt_logprobs = list(first.prompt_logprobs)
+            group.prompt_logprobs_sent = True
 
     def _stamp_first_scheduled(self, sched: SchedulerOutput, now: float) -> set[str]:
         """Stamps and returns the requests scheduled for the first time in this step.
@@ -260,7 +266,7 @@ class LLMEngine:
         """
         first: set[str] = set()
         for item in sched.scheduled:
-            group = self._groups[self._seq_to_group[item.request.request_id]]
+            group = self._groups[self._seq_to_group[item.request.request_id][0]]
             if group.first_scheduled is None:
                 group.first_scheduled = now
                 first.add(group.request_id)
@@ -285,46 +291,9 @@ class LLMEngine:
             queue_time = max(0.0, group.first_scheduled - group.arrival)
         finished = group.finished
         return RequestTiming(
-            group.request_id, len(group.prompt_token_ids), num_new_tokens, ttft, itl, queue_time,
+            group.request_id, group.num_prompt_tokens, num_new_tokens, ttft, itl, queue_time,
             e2e_latency=now - group.arrival if finished else None,
             finish_reasons=group.finish_reasons if finished else [])
-
-    def _detokenize(self, group: _Group, req: Request) -> None:
-        seq = next(s for s in group.sequences if s.request is req)
-        token = req.output_token_ids[-1]
-        if req.sampling_params.logprobs is not None and len(req.logprobs) == len(req.output_token_ids):
-            seq.cumulative_logprob += req.logprobs[-1][token]
-        if seq.detokenizer is None:  # the caller detokenizes
-            return
-        try:
-            stop = seq.detokenizer.update([token])
-        except Exception as exc:  # one request's text failing must not take the engine down
-            logger.error("detokenizing request %s failed (%s: %s); aborting it", req.request_id,
-                         type(exc).__name__, exc)
-            if not req.status.finished:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
-            return
-        if stop is not None and not req.status.finished:
-            req.stop_reason = stop
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-
-    def _output(self, group: _Group) -> RequestOutput | EmbeddingRequestOutput:
-        first = group.sequences[0].request
-        if first.pooling is not None:
-            return EmbeddingRequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                                          EmbeddingOutput(first.pooling.embedding()), group.finished)
-        completions = []
-        for i, seq in enumerate(group.sequences):
-            req = seq.request
-            wants_logprobs = req.sampling_params.logprobs is not None
-            lps = list(req.logprobs) if wants_logprobs else None
-            cumulative = seq.cumulative_logprob if lps else None
-            text = seq.detokenizer.output_text if seq.detokenizer is not None else ""
-            completions.append(CompletionOutput(i, text, list(req.output_token_ids),
-                                                cumulative, lps, req.finish_reason, req.stop_reason))
-        prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs_done else None
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             group.finished, first.num_cached_prefix_tokens, prompt_logprobs)
 
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (idempotent; they also stop at interpreter

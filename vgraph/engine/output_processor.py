@@ -1,12 +1,17 @@
-"""Turns the engine-core process's token deltas into the outputs the server hands its routes.
+"""The one accumulator: turns the engine's per-step token deltas into the outputs callers get.
 
-The core process runs ``LLMEngine(detokenize=False)``: it sends, per step, the new token ids
-(and logprobs, finish reasons) of each request that advanced. This side keeps what a request
-produced so far, detokenizes incrementally with the same ``IncrementalDetokenizer`` the
-in-process engine uses, and builds the same cumulative ``RequestOutput``s. Stop strings are
-found here: the sequence is finished for the client at once (its text cut, reason "stop"),
-and ``process`` returns it so the caller tells the core to free it. Tokens the core made in
-the meantime are dropped, as they are after an in-process stop.
+``LLMEngine.step`` emits, per request that advanced, its new token ids (with logprobs), a
+finish, prompt logprobs once, an embedding once. This class keeps what each request produced
+so far, detokenizes incrementally (``IncrementalDetokenizer``), finds stop strings, groups the
+``n`` sequences of a request, and builds ``RequestOutput``s in the kind each caller asked for
+(``OutputKind``: cumulative for the server's streams, deltas, or final only for
+``LLM.generate``). Every caller uses it: ``LLM``, and ``EngineClient`` over either transport
+(the engine on a thread or in the engine-core process), so one output field is written in
+two places: the engine's delta and here.
+
+A stop string ends the sequence for the caller at once (text cut, reason "stop"), and
+``process`` returns it so the caller tells the engine to free it (``finish_sequences``).
+Tokens the engine made in the meantime are dropped.
 """
 from __future__ import annotations
 
@@ -16,14 +21,15 @@ from typing import Any, Optional, Union
 
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from .core_codec import OutputDelta, SequenceDelta
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from .outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, OutputDelta, OutputKind,
+                      RequestOutput, SequenceDelta)
 
 logger = logging.getLogger("vgraph")
 
-# A sequence the server ended: (request id, sequence index, stop string; None = aborted).
+# A sequence the caller ended: (request id, sequence index, stop string; None = aborted).
 Finish = tuple[str, int, Optional[str]]
+Output = Union[RequestOutput, EmbeddingRequestOutput]
 
 
 @dataclass
@@ -32,9 +38,11 @@ class _Sequence:
     wants_logprobs: bool
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    cumulative_logprob: Optional[float] = None
+    cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    sent_tokens: int = 0  # what DELTA outputs have handed out so far
+    sent_chars: int = 0
 
 
 @dataclass
@@ -42,6 +50,7 @@ class _Request:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
+    kind: OutputKind
     sequences: list[_Sequence]  # empty for a pooling request
     num_cached_tokens: int = 0
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
@@ -52,30 +61,32 @@ class _Request:
 
 
 class OutputProcessor:
-    """The server's half of each request: text, stop strings, cumulative outputs."""
+    """Each request's text, stop strings and outputs, from the engine's deltas."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-            params: Union[SamplingParams, PoolingParams]) -> None:
+            params: Union[SamplingParams, PoolingParams], kind: OutputKind = OutputKind.CUMULATIVE) -> None:
         sequences = []
         if isinstance(params, SamplingParams):
             sequences = [_Sequence(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                           params.stop, params.include_stop_str_in_output),
                                    params.logprobs is not None)
                          for _ in range(params.n)]
-        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), sequences)
+        self._requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), kind, sequences)
 
     def remove(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._requests.pop(rid, None)
 
-    def process(self, deltas: list[OutputDelta]) -> tuple[list[Union[RequestOutput, EmbeddingRequestOutput]],
-                                                          list[Finish]]:
-        """The outputs of the requests that advanced, and the sequences the core must end."""
-        outputs: list[Union[RequestOutput, EmbeddingRequestOutput]] = []
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def process(self, deltas: list[OutputDelta]) -> tuple[list[Output], list[Finish]]:
+        """The outputs due to callers, and the sequences the engine must end (stop strings)."""
+        outputs: list[Output] = []
         finishes: list[Finish] = []
         for delta in deltas:
             request = self._requests.get(delta.request_id)
@@ -83,7 +94,7 @@ class OutputProcessor:
                 continue
             if delta.embedding is not None:
                 outputs.append(EmbeddingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                                                      EmbeddingOutput(delta.embedding), True))
+                                                      EmbeddingOutput(list(delta.embedding)), True))
                 del self._requests[request.request_id]
                 continue
             request.num_cached_tokens = delta.num_cached_tokens
@@ -93,7 +104,8 @@ class OutputProcessor:
                 finish = self._advance(request, seq_delta)
                 if finish is not None:
                     finishes.append(finish)
-            outputs.append(self._output(request))
+            if request.kind is not OutputKind.FINAL_ONLY or request.finished:
+                outputs.append(self._output(request))
             if request.finished:
                 del self._requests[request.request_id]
         return outputs, finishes
@@ -106,10 +118,10 @@ class OutputProcessor:
         seq.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs is not None:
             seq.logprobs.extend(delta.new_logprobs)
-        seq.cumulative_logprob = delta.cumulative_logprob
+            seq.cumulative_logprob += sum(lp[t] for t, lp in zip(delta.new_token_ids, delta.new_logprobs))
         try:
             stop = seq.detokenizer.update(delta.new_token_ids)
-        except Exception as exc:  # one request's text failing must not take the server down
+        except Exception as exc:  # one request's text failing must not take the caller down
             logger.error("detokenizing request %s failed (%s: %s); aborting it", request.request_id,
                          type(exc).__name__, exc)
             seq.finish_reason = "abort"
@@ -122,11 +134,19 @@ class OutputProcessor:
 
     @staticmethod
     def _output(request: _Request) -> RequestOutput:
-        completions = []
-        for i, seq in enumerate(request.sequences):
-            logprobs = list(seq.logprobs) if seq.wants_logprobs else None
-            completions.append(CompletionOutput(i, seq.detokenizer.output_text, list(seq.token_ids),
-                                                seq.cumulative_logprob if logprobs else None, logprobs,
-                                                seq.finish_reason, seq.stop_reason))
+        completions = [_completion(i, seq, request.kind is OutputKind.DELTA) for i, seq in enumerate(request.sequences)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
                              request.finished, request.num_cached_tokens, request.prompt_logprobs)
+
+
+def _completion(index: int, seq: _Sequence, delta: bool) -> CompletionOutput:
+    """A sequence's output: everything so far, or (``delta``) what is new since the last one."""
+    text, tokens, logprobs = seq.detokenizer.output_text, seq.token_ids, seq.logprobs
+    if delta:
+        text, tokens, logprobs = text[seq.sent_chars:], tokens[seq.sent_tokens:], logprobs[seq.sent_tokens:]
+        seq.sent_chars, seq.sent_tokens = len(seq.detokenizer.output_text), len(seq.token_ids)
+    else:
+        tokens, logprobs = list(tokens), list(logprobs)
+    wanted = logprobs if seq.wants_logprobs else None
+    cumulative = seq.cumulative_logprob if seq.wants_logprobs and seq.logprobs else None
+    return CompletionOutput(index, text, tokens, cumulative, wanted, seq.finish_reason, seq.stop_reason)

@@ -1,8 +1,47 @@
-"""What the engine hands back: shaped like vLLM's ``RequestOutput`` so its users feel at home."""
+"""What the engine hands back, in two forms.
+
+- Per step, ``LLMEngine.step`` emits ``OutputDelta``s: each request's *new* tokens (with their
+  logprobs), a finish, prompt logprobs once, an embedding once. It never detokenizes and never
+  copies what a request produced before, so a step costs the same at token 10 and token 10,000.
+- Callers get ``RequestOutput``s, shaped like vLLM's so its users feel at home, built from the
+  deltas by the one ``OutputProcessor`` (text, stop strings, n groups), cumulative, as deltas,
+  or once at the end (``OutputKind``).
+"""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
+
+
+class OutputKind(enum.Enum):
+    """What a caller receives for a request (vLLM's ``RequestOutputKind``)."""
+
+    CUMULATIVE = "cumulative"  # each output holds everything so far (the server's streams)
+    DELTA = "delta"  # each output holds only what is new since the previous one
+    FINAL_ONLY = "final_only"  # one output, when the request finishes (LLM.generate)
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence gained in one step: tokens (with their logprobs) and, once, its end."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[dict[int, float]]]  # None unless the request asked for logprobs
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+@dataclass
+class OutputDelta:
+    """One request's news from one step (``embedding`` set for a pooling request, which ends at once)."""
+
+    request_id: str
+    sequences: list[SequenceDelta] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once, when complete
+    embedding: Optional[Any] = None  # a sequence of floats
 
 
 @dataclass

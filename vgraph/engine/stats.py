@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from .outputs import RequestOutput
+from .outputs import EmbeddingRequestOutput, OutputDelta, RequestOutput
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,21 @@ class RequestTiming:
 
 
 @dataclass(frozen=True)
-class StepOutput:
-    """The result of ``LLMEngine.step()``: the requests that advanced, their timings, the state after."""
+class EngineStep:
+    """The result of ``LLMEngine.step()``: what each request that advanced gained, the timings of
+    the requests something happened to, and the engine's state after the step."""
 
-    outputs: list[RequestOutput]
+    deltas: list[OutputDelta]
+    timings: list[RequestTiming]
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One step as a client hands it on (to the metrics, the data-parallel router): the outputs
+    the ``OutputProcessor`` built from the step's deltas, with its timings and state."""
+
+    outputs: list[RequestOutput | EmbeddingRequestOutput]
     timings: list[RequestTiming]
     stats: EngineStats
 

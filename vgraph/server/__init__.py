@@ -1,5 +1,5 @@
-"""vgraph's OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine-core process
-(``engine.core_client.EngineCoreClient``) or, with ``--engine-in-process``, ``AsyncEngine``.
+"""vgraph's OpenAI-compatible HTTP server (FastAPI + uvicorn) over an ``engine.client.EngineClient``:
+the engine in the engine-core process or, with ``--engine-in-process``, on a thread of the server.
 
 ``app.build_app`` assembles the application; ``lifecycle.serve`` runs it as a process
 (``vgraph serve``). Modules: ``protocol`` (request bodies), ``body`` (reading them safely),

@@ -27,9 +27,9 @@ logger = logging.getLogger("vgraph.server")
 
 
 def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
-    """An app serving ``engine`` (not started yet): an ``AsyncEngine`` (the engine on a thread
-    of this process), an ``EngineCoreClient`` (the engine in its own process) or a
-    ``DataParallelEngine`` (several of either); the routes see one interface.
+    """An app serving ``engine`` (not started yet): an ``EngineClient`` (the engine in its own
+    process or on a thread of this one) or a ``DataParallelEngine`` (several of them); the
+    routes see one interface.
 
     The engine's ``on_fatal`` runs on the event loop when it fails to start or dies later; the
     caller sets it and decides how the process ends (see ``lifecycle.serve``). The app sets

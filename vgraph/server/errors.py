@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..engine.async_engine import EngineProcessDiedError, EngineShutdownError
+from ..engine.client import EngineProcessDiedError, EngineShutdownError
 
 logger = logging.getLogger("vgraph.server")
 

@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..engine.async_engine import EngineDeadError, OutputCollector
+from ..engine.client import EngineDeadError, OutputCollector
 from ..engine.outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..engine.inputs import PromptType

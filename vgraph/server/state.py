@@ -10,9 +10,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from fastapi import Request
 
-from ..engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError, OutputCollector,
-                                   QueueFullError, RequestTooLargeError)
-from ..engine.core_client import EngineCoreClient
+from ..engine.client import (EngineClient, EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError,
+                             RequestTooLargeError)
 from ..engine.dp_engine import DataParallelEngine
 from ..engine.inputs import PromptType
 from ..engine.outputs import RequestOutput
@@ -33,7 +32,7 @@ logger = logging.getLogger("vgraph.server")
 
 # The engine behind the routes: in its own process (the default) or on a thread of this one, or
 # several of either as data-parallel replicas.
-Engine = Union[AsyncEngine, EngineCoreClient, DataParallelEngine]
+Engine = Union[EngineClient, DataParallelEngine]
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 OFFLOAD_PARTS = 1024  # chat content parts above which their conversion leaves the event loop

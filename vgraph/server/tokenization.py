@@ -8,7 +8,7 @@ encoder releases the GIL, so the loop keeps serving while it works.
 
 Why two tokenizer copies: a Rust-backed tokenizer must not be used by two threads at once
 (PyO3 borrow checks), so the loop's copy and the worker's copy are distinct objects (both
-made by ``AsyncEngine`` on the engine thread at startup), each used by one thread only.
+made by ``EngineClient`` when its engine is ready), each used by one thread only.
 
 Failures stay with their request: a tokenizer that rejects its input (``TypeError``,
 ``ValueError``, ``OverflowError``) is a 400; anything else is logged in one line (``errors.log_failure``) and

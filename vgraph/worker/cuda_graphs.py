@@ -1,6 +1,6 @@
 """The runner's forward on the dispatcher's path, and the CUDA graphs it replays.
 
-``GraphRunner`` owns everything about graphs at run time: the dispatcher's decision for a
+``ForwardRunner`` owns everything about graphs at run time: the dispatcher's decision for a
 scheduled step, the persistent decode buffers and the FULL graphs captured over them, the
 PIECEWISE graphs of the compiled pieces (kept per piece in vgraph/compiler/piecewise_graphs.py;
 this class decides when they run and in which phase, through the forward context), the
@@ -166,11 +166,12 @@ class CaptureReport:
                 f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
 
 
-class GraphRunner:
-    """Runs built batches on the dispatcher's path, and captures the graphs it replays."""
+class ForwardRunner:
+    """Runs every built batch on the path the dispatcher chose (a FULL graph, PIECEWISE graphs or
+    the plain compiled or eager forward), and captures the graphs it replays."""
 
     def __init__(self, forward: Forward, kv_caches: Sequence, softmax_scale: float, builder: BatchBuilder,
-                 mode: CudaGraphMode, buckets: Buckets, min_tokens: int,
+                 mode: CudaGraphMode, buckets: Buckets, min_forward_rows: int,
                  weights: Sequence[torch.Tensor] = ()) -> None:
         self.forward_fn = forward
         self.weights = list(weights)  # the model's parameters and buffers: FULL graphs read them in place
@@ -179,7 +180,7 @@ class GraphRunner:
         self.builder = builder
         self.mode = mode
         self.buckets = buckets if mode is not CudaGraphMode.NONE else Buckets((), ())
-        self.min_tokens = min_tokens
+        self.min_forward_rows = min_forward_rows
         self.decode_buffers: Optional[DecodeBuffers] = None
         if mode.has_full and self.buckets.full:
             max_blocks = -(-builder.max_model_len // builder.block_size)
@@ -191,7 +192,7 @@ class GraphRunner:
     # ------------------------------------------------------------------ one batch
 
     def decide(self, sched: SchedulerOutput) -> Decision:
-        return choose(BatchShape.of_scheduled(sched), self.buckets, self.mode, self.min_tokens)
+        return choose(BatchShape.of_scheduled(sched), self.buckets, self.mode, self.min_forward_rows)
 
     def build(self, sched: SchedulerOutput) -> tuple[FlatBatch, Decision]:
         decision = self.decide(sched)

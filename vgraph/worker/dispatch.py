@@ -63,13 +63,13 @@ class Buckets:
 
 
 def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                  min_tokens: int = 1) -> Buckets:
+                  min_forward_rows: int = 1) -> Buckets:
     """The buckets for an engine: the configured (or default) sizes, raised to the forward's
-    ``min_tokens`` and capped by what the scheduler can produce."""
+    ``min_forward_rows`` and capped by what the scheduler can produce."""
     wanted = config.cudagraph_capture_sizes
     if wanted is None:
         wanted = default_capture_sizes(config.max_capture_size)
-    sizes = sorted({max(s, min_tokens) for s in wanted if s <= max_num_batched_tokens})
+    sizes = sorted({max(s, min_forward_rows) for s in wanted if s <= max_num_batched_tokens})
     # Decode batches hold at most max_num_seqs rows: keep the first bucket that fits them all.
     first_full = Buckets.smallest_at_least(sizes, max_num_seqs)
     full = [s for s in sizes if first_full is None or s <= first_full]
@@ -103,9 +103,9 @@ class Decision:
         return self.bucket - self.num_tokens
 
 
-def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_tokens: int = 1) -> Decision:
+def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_forward_rows: int = 1) -> Decision:
     """FULL for a pure-decode batch that fits a decode bucket, else PIECEWISE when the token
-    count fits a token bucket, else NONE at the batch's own size (at least ``min_tokens``
+    count fits a token bucket, else NONE at the batch's own size (at least ``min_forward_rows``
     rows: the compiled forward's smallest shape)."""
     n = shape.num_tokens
     if n > 0 and shape.uniform_decode and mode.has_full:
@@ -116,4 +116,4 @@ def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_tokens:
         bucket = Buckets.smallest_at_least(buckets.piecewise, n)
         if bucket is not None:
             return Decision(Path.PIECEWISE, bucket, n)
-    return Decision(Path.NONE, max(n, min_tokens) if n else 0, n)
+    return Decision(Path.NONE, max(n, min_forward_rows) if n else 0, n)

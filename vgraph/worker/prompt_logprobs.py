@@ -17,20 +17,13 @@ from typing import Callable, Optional
 
 import torch
 
+from ..core.outputs import PromptLogprobs
 from ..core.request import Request
 from ..core.scheduler import SchedulerOutput
 
 # Rows sent through lm_head + log_softmax at once: bounds the [rows, vocab] float32 buffers
 # (1024 rows of a 152k vocabulary is 0.6 GB) whatever the prompt's length.
 _ROWS_PER_SLICE = 1024
-
-
-@dataclass
-class PromptLogprobs:
-    """Entries for prompt tokens ``first .. first + len(entries) - 1`` of one request."""
-
-    first: int
-    entries: list[dict[int, float]]
 
 
 @dataclass

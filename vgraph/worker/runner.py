@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -27,12 +27,13 @@ from ..core.scheduler import SchedulerOutput
 from ..structured.bitmask import GrammarMasks, fill_masks
 from ..models.loader import load_model
 from .batch import BatchBuilder
-from .cuda_graphs import CaptureReport, GraphRunner, estimate_capture_bytes
+from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
 from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for, usable_max_model_len
-from .pooling import PooledChunk, pooled_chunks
-from .prompt_logprobs import PromptLogprobs, compute_prompt_logprobs
+from ..core.outputs import ModelRunnerOutput
+from .pooling import pooled_chunks
+from .prompt_logprobs import compute_prompt_logprobs
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
 
@@ -45,16 +46,6 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # Tokens of the warm-up step: enough to trace (or load) the compiled forward.
 _WARM_UP_TOKENS = 16
-
-
-@dataclass
-class StepResult:
-    sampled: dict[str, int]  # request id -> new token id
-    logprobs: Optional[dict[str, dict[int, float]]]
-    # Request id -> the prompt tokens this step scored (requests with prompt_logprobs only).
-    prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None
-    # Request id -> its chunk's share of the pooled hidden state (pooling requests only).
-    pooled: Optional[dict[str, PooledChunk]] = None
 
 
 class ModelRunner:
@@ -77,9 +68,9 @@ class ModelRunner:
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
         self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
-        min_tokens = config.compile.min_forward_rows  # without importing the compiler (~1 s)
+        min_forward_rows = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
-                                config.scheduler.max_num_batched_tokens, min_tokens)
+                                config.scheduler.max_num_batched_tokens, min_forward_rows)
         profile = self._profile_memory()
         reserve = self._graph_reserve(profile, buckets)
         self.num_blocks = self._plan_blocks(profile, reserve)
@@ -89,8 +80,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device)
         t2 = time.perf_counter()
         forward = self._compiled_forward()
-        self.graphs = GraphRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
-                                  config.compile.cudagraph_mode, buckets, min_tokens,
+        self.graphs = ForwardRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
+                                  config.compile.cudagraph_mode, buckets, min_forward_rows,
                                   weights=[*m.parameters(), *m.buffers()])
         self._warm_up()
         t3 = time.perf_counter()
@@ -128,7 +119,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         resident = torch.cuda.memory_allocated(self.device)
         caches = allocate_kv_caches(self.spec, scratch_blocks, self.device)
-        eager = GraphRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
+        eager = ForwardRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
                             Buckets((), ()), 1)
         self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
         # The widest sampling step too: logits and the top-k/top-p sort for every seat.
@@ -218,19 +209,19 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, grammar_masks: Optional[GrammarMasks] = None) -> StepResult:
+    def execute(self, sched: SchedulerOutput, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """One step. ``grammar_masks``: the structured-output masks of the sampled rows when the
         requests' grammars live elsewhere (a tensor-parallel worker gets them from the engine);
         otherwise they are filled here from the requests."""
         return self._step(self.graphs, sched, grammar_masks)
 
-    def _step(self, graphs: GraphRunner, sched: SchedulerOutput,
-              grammar_masks: Optional[GrammarMasks] = None) -> StepResult:
+    def _step(self, graphs: ForwardRunner, sched: SchedulerOutput,
+              grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
         same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
         (worker/pooling.py) for the requests that ask."""
         if not sched.scheduled:
-            return StepResult({}, None)
+            return ModelRunnerOutput({}, None)
         batch, decision = graphs.build(sched)
         # Structured outputs' masks, on the host before the forward (on a GPU, while it runs).
         masks = grammar_masks
@@ -240,7 +231,7 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(rows, sched, self.model.compute_logits)
         pooled = pooled_chunks(rows, sched) or None
         if not batch.sampled_requests:
-            return StepResult({}, None, prompt_logprobs, pooled)
+            return ModelRunnerOutput({}, None, prompt_logprobs, pooled)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))
         meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks)
         out = self.sampler(logits, meta)
@@ -248,7 +239,7 @@ class ModelRunner:
         logprobs = None
         if out.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
-        return StepResult(sampled, logprobs, prompt_logprobs, pooled)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled)
 
 
 def _compile_source(counters: Optional[CompileCounters]) -> str:

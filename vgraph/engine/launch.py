@@ -1,0 +1,105 @@
+"""The serving topology's one home: from the engine options, what ``vgraph serve`` runs.
+
+One engine is an ``EngineClient`` whose transport is the engine-core process (the default) or
+a thread of the server (``in_process``). ``data_parallel_size`` N > 1 puts N such clients,
+each its own ``LLMEngine`` on its own device (``cuda:i``, or all on the CPU), behind the
+prefix-affine router (``DataParallelEngine``), with ``cores // N`` torch threads each: they
+share the machine's cores. Tensor parallelism is inside each engine (its executor).
+
+The CLI parses and calls ``serving_engine``; nothing here recomputes what the config
+resolves (the router's block size is the one the engine config resolves to).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .client import EngineClient
+
+
+class TopologyError(ValueError):
+    """The asked topology cannot run here (a user error: the CLI prints one line)."""
+
+
+@dataclass(frozen=True)
+class ServingTopology:
+    """What ``vgraph serve`` was asked to run. ``engine_kwargs`` are ``EngineConfig.from_kwargs``
+    keywords (``passes``: loaded pass objects, for engines in this process); ``pass_specs`` the
+    same passes as ``--pass`` specs, which an engine-core process loads itself."""
+
+    model: str
+    engine_kwargs: dict[str, Any]
+    pass_specs: list[str] = field(default_factory=list)
+    in_process: bool = False
+    data_parallel_size: int = 1
+    max_queue_len: Optional[int] = None
+    log_level: str = "INFO"
+
+
+def serving_engine(topology: ServingTopology) -> Any:
+    """The engine the server runs (not started): one ``EngineClient``, or N behind the router."""
+    size = topology.data_parallel_size
+    if size == 1:
+        return _client(topology, topology.engine_kwargs["device"], None, None)
+    import torch
+
+    from ..config import EngineConfig
+    from .dp_engine import data_parallel
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // size)
+    building = threading.Lock()
+    devices = replica_devices(topology.engine_kwargs["device"], size)
+    replicas = [_client(topology, device, threads, building) for device in devices]
+    # The router hashes prompts in the replicas' KV blocks, the size their config resolves to.
+    config = EngineConfig.from_kwargs(topology.model, **{**topology.engine_kwargs, "device": devices[0]})
+    return data_parallel(replicas, config.cache.resolved(torch.device(devices[0]).type).block_size)
+
+
+def _client(topology: ServingTopology, device: str, threads: Optional[int], building: Any) -> EngineClient:
+    """One engine on ``device``: an engine-core process, or (``in_process``) a thread of this
+    one. ``threads``: torch's thread count (None: its default). Threads of one process share
+    one torch thread pool, so the count is set here, once, for all of them, and they build one
+    at a time under the lock ``building`` (loading and compiling touch process-wide state:
+    Dynamo, the compile cache)."""
+    from .transports import ProcessTransport, ThreadTransport
+    kwargs = {**topology.engine_kwargs, "device": device}
+    if topology.in_process:
+        if threads is not None:
+            import torch
+            torch.set_num_threads(threads)
+
+        def build_engine():
+            """Runs on the engine thread, so /health answers 503 while this loads and compiles."""
+            from ..config import EngineConfig
+            from .llm_engine import LLMEngine
+            with building if building is not None else contextlib.nullcontext():
+                return LLMEngine(EngineConfig.from_kwargs(topology.model, **kwargs))
+
+        return EngineClient(ThreadTransport(build_engine), max_queue_len=topology.max_queue_len)
+    from .core_process import CoreProcessConfig
+    engine_kwargs = {name: value for name, value in kwargs.items() if name != "passes"}
+    config = CoreProcessConfig(model=topology.model, engine_kwargs=engine_kwargs, pass_specs=list(topology.pass_specs),
+                               log_level=topology.log_level, num_threads=threads)
+    return EngineClient(ProcessTransport(config), max_queue_len=topology.max_queue_len)
+
+
+def replica_devices(device: str, size: int) -> list[str]:
+    """The device of each data-parallel replica: on CUDA one GPU each (``cuda:0`` ..), on CPU
+    the CPU for all (they split its threads)."""
+    import torch
+
+    from ..config import resolve_device
+    device = resolve_device(device)
+    if device == "cpu":
+        return ["cpu"] * size
+    if device != "cuda":
+        raise TopologyError(f"--data-parallel-size {size} places replica i on cuda:i; --device {device} names a "
+                            "single GPU (use --device cuda)")
+    found = torch.cuda.device_count()
+    if found < size:
+        raise TopologyError(f"--data-parallel-size {size} needs {size} GPUs (one per replica), found {found}")
+    return [f"cuda:{index}" for index in range(size)]
+
