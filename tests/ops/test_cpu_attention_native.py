@@ -441,21 +441,6 @@ def test_block_id_outside_the_cache_raises_naming_the_sequence(restore_threads, 
 
 # --- 5. native_build -------------------------------------------------------------------------
 
-@pytest.fixture
-def compiles(monkeypatch):
-    """Counts compiler invocations that build something (``-o``), not ``--version`` probes."""
-    calls = []
-    real_run = native_build.subprocess.run
-
-    def run(argv, *args, **kwargs):
-        if "-o" in argv:
-            calls.append(list(argv))
-        return real_run(argv, *args, **kwargs)
-
-    monkeypatch.setattr(native_build, "subprocess", types.SimpleNamespace(run=run))
-    return calls
-
-
 def probe_source(directory: Path, value: int, name: str = "vgraph_probe") -> tuple[Path, str]:
     """A tiny library (builds in well under a second) whose function returns ``value``."""
     path = directory / f"{name}.cpp"

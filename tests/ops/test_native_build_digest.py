@@ -86,21 +86,6 @@ def cache(pristine, tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def compiles(monkeypatch):
-    """Counts compiler invocations that build something (``-o``), not ``--version`` probes."""
-    calls = []
-    real_run = native_build.subprocess.run
-
-    def run(argv, *args, **kwargs):
-        if "-o" in argv:
-            calls.append(list(argv))
-        return real_run(argv, *args, **kwargs)
-
-    monkeypatch.setattr(native_build, "subprocess", types.SimpleNamespace(run=run))
-    return calls
-
-
-@pytest.fixture
 def cdll(monkeypatch):
     """Every ``ctypes.CDLL`` call of native_build, as (path, sha256 of the file then); a file
     that does not match its record fails the test instead of being loaded."""
