@@ -173,6 +173,7 @@ class _RecordingEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.tokenizer = None  # what LLM's OutputProcessor is given
 
 
 @pytest.fixture

@@ -119,7 +119,7 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
             batch, decision = graphs.build(sched)
             assert decision.path is (Path.FULL if kind == "decode" else Path.PIECEWISE) and decision.padding > 0
             padded = graphs.run(replace(batch, output_rows=None), decision).clone()
-            unpadded = Decision(Path.NONE, max(decision.num_tokens, graphs.min_tokens), decision.num_tokens)
+            unpadded = Decision(Path.NONE, max(decision.num_tokens, graphs.min_forward_rows), decision.num_tokens)
             plain = graphs.run(replace(graphs.builder.build(sched, unpadded), output_rows=None), unpadded).clone()
         assert padded.shape == plain.shape == (decision.num_tokens, plain.shape[1])
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
