@@ -220,8 +220,9 @@ class LLMEngine:
         for req in advanced:
             group_id, index = self._seq_to_group[req.request_id]
             delta = deltas.get(group_id)
-            if delta is None:
-                delta = deltas[group_id] = OutputDelta(group_id, num_cached_tokens=req.num_cached_prefix_tokens)
+            if delta is None:  # the request's cached prompt tokens: its first sequence's, as reported before
+                first = self._groups[group_id].sequences[0]
+                delta = deltas[group_id] = OutputDelta(group_id, num_cached_tokens=first.num_cached_prefix_tokens)
             new_tokens[group_id] = new_tokens.get(group_id, 0) + self._add_to_delta(delta, index, req)
         groups = [self._groups[gid] for gid in deltas]
         for group in groups:

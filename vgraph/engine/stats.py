@@ -1,9 +1,10 @@
-"""What one engine step hands its callers besides the outputs: per-request timings and the
+"""What one engine step hands its callers: the step (deltas, timings, state) and, once the output
+processor has built outputs from it, the step as clients pass it on; per-request timings and the
 engine's state, as typed objects.
 
 This is the engine -> server contract. The engine stamps each request's times where the work
 happens (arrival, first scheduling, tokens, finish) and derives these from them, so its users
-(the async engine, the metrics) read them and never reach into the scheduler or keep a second
+(the engine client, the metrics) read them and never reach into the scheduler or keep a second
 set of clocks. Times are ``time.monotonic()`` seconds.
 """
 from __future__ import annotations

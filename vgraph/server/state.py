@@ -1,4 +1,4 @@
-"""What every route shares: settings, the async engine, its tokenizer and limits, metrics, and
+"""What every route shares: settings, the engine client, its tokenizer and limits, metrics, and
 the engine-error mapping."""
 from __future__ import annotations
 
