@@ -484,12 +484,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be at most 65535, got {args.port}")
-    # The engine thread shares the CPU with the HTTP thread. OpenMP workers that spin between
-    # parallel regions (the default) starve it, and on a busy machine every region then waits
-    # for descheduled spinners: measured on 2 cores, inter-token latency at 1 stream went from
-    # ~150 ms to ~10 ms with passive waiting. Read by OpenMP when torch loads, so set it first;
-    # an explicit OMP_WAIT_POLICY from the user wins.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from vgraph.engine import launch
+    launch.prepare_environment()  # before torch loads
     from vgraph.config import EngineConfig
     from vgraph.models.demo import DEMO_MODEL_NAME
     from vgraph.server.lifecycle import serve
@@ -502,13 +498,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     logging.getLogger("vgraph.server").info("listening on http://%s:%d (/health answers 503 until the model "
                                             "is loaded)", f"[{host}]" if ":" in host else host, port)
-    from vgraph.engine.launch import ServingTopology, TopologyError, serving_engine
-    topology = ServingTopology(model=_model_path(args), engine_kwargs=kwargs, pass_specs=list(args.passes),
+    topology = launch.ServingTopology(model=_model_path(args), engine_kwargs=kwargs, pass_specs=list(args.passes),
                                in_process=args.engine_in_process, data_parallel_size=args.data_parallel_size,
                                max_queue_len=settings.max_queue_len, log_level=args.log_level)
     try:
-        engine = serving_engine(topology)
-    except TopologyError as exc:
+        engine = launch.serving_engine(topology)
+    except launch.TopologyError as exc:
         raise UserError(str(exc)) from None
     with sock:
         return serve(settings, engine, host=args.host, port=port, shutdown_timeout=args.shutdown_timeout,
