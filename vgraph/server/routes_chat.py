@@ -2,7 +2,8 @@
 
 The template is rendered here (``--chat-template`` or the tokenizer's) and the engine gets
 token ids, so what is generated from is exactly what ``/tokenize`` with the same messages
-shows. Streams open each choice with a ``{"role": "assistant"}`` delta, as OpenAI's do.
+shows. Streams open each choice with a ``{"role": "assistant"}`` delta, as OpenAI's do (the
+role is ``--response-role``, assistant by default, as in vLLM).
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ class _Chat:
         return {**self._envelope("chat.completion", choices), "usage": usage([output])}
 
     def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], Optional[str]]:
-        """The assistant message (with tool_calls when tools are read) and the finish reason."""
+        """The reply's message (with tool_calls when tools are read) and the finish reason."""
         reader = self.tools.choice_tools()
         if reader is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        return reader.message(c.text, c.finish_reason)
+            return {"role": self.state.settings.response_role, "content": c.text}, c.finish_reason
+        message, reason = reader.message(c.text, c.finish_reason)
+        return {**message, "role": self.state.settings.response_role}, reason
 
     async def stream(self, collector: OutputCollector) -> AsyncIterator[bytes]:
         trackers: dict[int, DeltaTracker] = {}
@@ -95,7 +97,7 @@ class _Chat:
                         if c.index not in trackers:
                             trackers[c.index] = DeltaTracker(self.params)
                             self.readers[c.index] = self.tools.choice_tools()
-                            role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
+                            role = {"index": c.index, "delta": {"role": self.state.settings.response_role, "content": ""},
                                     "logprobs": None, "finish_reason": None}
                             yield sse({**self._envelope("chat.completion.chunk", [role]), **extra})
                         chunk = self._chunk_choice(c, trackers[c.index])

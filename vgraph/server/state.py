@@ -96,6 +96,21 @@ class ServerSettings:
                 "(Qwen2.5, Hermes: <tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it "
                 "tool_choice auto is refused (required and named calls need no parser)",
         "choices": ["hermes", "llama3_json"]})
+    # Chat replies, the HTTP server and its log, under vLLM's flag names (docs/vllm-compat.md).
+    response_role: str = field(default="assistant", metadata={
+        "help": "the role of the message in chat completions' replies"})
+    root_path: str = field(default="", metadata={
+        "help": "the path prefix a reverse proxy serves this server under (uvicorn's root_path; "
+                "default: none)"})
+    uvicorn_log_level: Optional[str] = field(default=None, metadata={
+        "help": "log level of uvicorn's own messages (default: that of --log-level)",
+        "choices": ["critical", "error", "warning", "info", "debug", "trace"]})
+    log_requests: bool = field(default=True, metadata={
+        "help": "one INFO line per finished request (id, tokens in and out, finish reasons, latency)",
+        "flag": "--enable-log-requests", "negative": "--disable-log-requests", "positive": "--enable-log-requests"})
+    max_log_len: Optional[int] = field(default=None, metadata={
+        "help": "with each request's log line, log up to this many characters of its prompt "
+                "(default: none, prompts are not logged)"})
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -107,6 +122,8 @@ class ServerSettings:
         for name in ("header_timeout", "body_timeout", "stall_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
 
