@@ -1,12 +1,62 @@
-"""What a vLLM user's habits meet: one log line per finished request."""
+"""What a vLLM user's client and habits meet: context overflows in OpenAI's words (which
+litellm maps to ContextWindowExceededError), and one log line per finished request."""
 from __future__ import annotations
 
 import logging
 import re
 import time
 
+import pytest
+
 from vgraph.engine.stats import EngineStats, RequestTiming, StepOutput
 from vgraph.server.request_log import RequestLog
+
+OVERFLOW = re.compile(r"This model's maximum context length is 512 tokens\. However, you requested (\d+) tokens "
+                      r"\((\d+) in the (prompt|messages), (\d+) in the completion\)\. Please reduce the length of "
+                      r"the (prompt|messages) or completion\.")
+
+
+@pytest.mark.parametrize("path,body,where,param", [
+    ("/v1/completions", {"prompt": [7] * 9, "max_tokens": 100000}, "prompt", "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, "messages",
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 100000},
+     "messages", "max_completion_tokens"),
+])
+def test_context_overflow_is_said_as_openai_says_it(server, model, path, body, where, param):
+    response = server.post(path, {"model": model, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    match = OVERFLOW.fullmatch(error["message"])
+    assert match, error["message"]
+    requested, prompt, said, completion, said_again = match.groups()
+    assert (said, said_again, int(completion)) == (where, where, 100000)
+    assert int(requested) == int(prompt) + 100000
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param,
+                                                              "context_length_exceeded")
+
+
+def test_a_prompt_over_max_prompt_tokens_but_within_the_context_names_the_flag():
+    """--max-prompt-tokens below the context is the server's limit, not an overflow."""
+    from vgraph.server.errors import APIError
+    from vgraph.server.limits import Limits
+    from vgraph.server.state import ServerSettings
+    limits = Limits.resolve(ServerSettings(["m"], max_prompt_tokens=100), 512)
+    with pytest.raises(APIError) as within:
+        limits.check_tokens(200, "the prompt", "prompt")
+    assert within.value.code == "prompt_too_long" and "--max-prompt-tokens" in within.value.message
+    with pytest.raises(APIError) as beyond:
+        limits.check_tokens(512, "the prompt", "prompt")
+    assert beyond.value.code == "context_length_exceeded"
+    assert beyond.value.message.startswith("This model's maximum context length is 512 tokens. However, the prompt "
+                                           "has 512 tokens")
+
+
+def test_litellm_sees_a_context_window_error(server, model):
+    litellm = pytest.importorskip("litellm")
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(model=f"openai/{model}", api_base=server.url + "/v1", api_key="unused",
+                           messages=[{"role": "user", "content": "hi"}], max_tokens=100000, num_retries=0)
 
 
 def test_each_finished_request_is_one_log_line(server, model):

@@ -97,8 +97,8 @@ class _Chat:
                         if c.index not in trackers:
                             trackers[c.index] = DeltaTracker(self.params)
                             self.readers[c.index] = self.tools.choice_tools()
-                            role = {"index": c.index, "delta": {"role": self.state.settings.response_role, "content": ""},
-                                    "logprobs": None, "finish_reason": None}
+                            opening = {"role": self.state.settings.response_role, "content": ""}
+                            role = {"index": c.index, "delta": opening, "logprobs": None, "finish_reason": None}
                             yield sse({**self._envelope("chat.completion.chunk", [role]), **extra})
                         chunk = self._chunk_choice(c, trackers[c.index])
                         if chunk is not None:

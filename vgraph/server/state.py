@@ -13,7 +13,7 @@ from fastapi import Request
 from ..engine.client import (EngineClient, EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError,
                              RequestTooLargeError)
 from ..engine.dp_engine import DataParallelEngine
-from ..engine.inputs import PromptType
+from ..engine.inputs import ContextLengthError, PromptType
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..structured.params import StructuredOutputsParams
@@ -236,7 +236,10 @@ class ServerState:
         except ValueError as exc:
             param = getattr(exc, "param", None) or param_from_message(str(exc))
             param = prompt_param if param == "prompt" else (field_names or {}).get(param or "", param)
-            raise bad_request(str(exc), param) from None
+            if isinstance(exc, ContextLengthError) and prompt_param == "messages":
+                exc = exc.said_of("messages")
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+            raise bad_request(str(exc), param, code=code) from None
         except QueueFullError as exc:
             raise APIError(503, f"the server is overloaded: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None
