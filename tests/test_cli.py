@@ -354,7 +354,8 @@ def test_vllm_spellings_set_vgraph_fields(flags, field, value):
 
 @pytest.mark.parametrize("flags,message", [
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: vgraph keeps the KV cache in the model's dtype"),
-    (["--generation-config", "auto"], "--generation-config auto: vgraph does not read sampling defaults"),
+    (["--generation-config", "/no/such/dir"], "generation_config '/no/such/dir' is neither vllm, auto nor a "
+                                              "directory holding a generation_config.json"),
     (["-O", '{"use_inductor": true}'], "-O/--compilation-config: unknown key 'use_inductor'"),
     (["-O", "fast"], "-O/--compilation-config takes a level (0-3) or a JSON object"),
     (["-O", '{"pass_config": {"enable_noop": true}}'], "pass_config key 'enable_noop' is not one vgraph has"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 # vLLM's compilation levels (and its newer -O optimization levels): 0 runs eagerly, every
@@ -98,9 +99,6 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "debug_dump_path, custom_ops, pass_config); default: none, the options' own defaults")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's dtype: only auto, the model's dtype (default: auto)")
-    g.add_argument("--generation-config", default="vllm",
-                   help="where requests' default sampling settings come from: only vllm, vgraph's own "
-                        "(default: vllm)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted; vgraph never runs code from a checkpoint: it runs its own model "
                         "implementations, and a model it has none for is refused at load (off by default)")
@@ -114,6 +112,29 @@ def check(args: argparse.Namespace) -> None:
     if args.kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: vgraph keeps the KV cache in the model's dtype; "
                          "only auto is accepted (a quantized KV cache is not implemented)")
-    if args.generation_config != "vllm":
-        raise ValueError(f"--generation-config {args.generation_config}: vgraph does not read sampling defaults "
-                         "from a generation_config.json; only vllm (vgraph's own defaults) is accepted")
+
+
+# The sampling settings a checkpoint's generation_config.json may recommend, as vLLM reads them.
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def check_generation_config(source: str) -> None:
+    """``--generation-config``: vllm, auto, or a directory with a generation_config.json."""
+    if source in ("vllm", "auto") or (Path(source) / "generation_config.json").is_file():
+        return
+    raise ValueError(f"generation_config {source!r} is neither vllm, auto nor a directory holding a "
+                     "generation_config.json")
+
+
+def sampling_defaults(source: str, model_path: str) -> dict[str, Any]:
+    """The sampling settings requests get when they do not send them: none for ``vllm``
+    (vgraph's own defaults), the model's generation_config.json for ``auto`` (a checkpoint
+    without one recommends nothing), that of the directory ``source`` otherwise."""
+    if source == "vllm":
+        return {}
+    path = Path(model_path if source == "auto" else source) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    return {key: config[key] for key in SAMPLING_DEFAULT_KEYS if config.get(key) is not None}

@@ -104,3 +104,20 @@ def test_disable_log_requests_leaves_the_log_hook_out():
         build_app(ServerSettings(served_model_names=["m"], log_requests=log_requests), engine)  # type: ignore
         assert engine.on_step.__name__ == hook
 
+
+
+def test_generation_config_fills_only_the_sampling_settings_a_request_leaves_unset(tmp_path):
+    import json
+
+    from vgraph import vllm_compat
+    from vgraph.server.protocol import CompletionRequest
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "do_sample": True, "eos_token_id": 1, "top_k": None}))
+    defaults = vllm_compat.sampling_defaults("auto", str(tmp_path))
+    assert defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert vllm_compat.sampling_defaults(str(tmp_path), "/elsewhere") == defaults
+    assert vllm_compat.sampling_defaults("vllm", str(tmp_path)) == {}
+    unset = CompletionRequest(prompt="x").sampling_params(16, None, 5, defaults=defaults)
+    assert (unset.temperature, unset.top_p) == (0.6, 0.9)
+    sent = CompletionRequest(prompt="x", temperature=0.0).sampling_params(16, None, 5, defaults=defaults)
+    assert (sent.temperature, sent.top_p) == (0.0, 0.9)

@@ -32,7 +32,7 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
-                                  body.field_names)
+                                  body.field_names, state.sampling_defaults)
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
     params = await state.constrain(body, params, tools.constraint)
     messages = await state.chat_messages(body.messages, params.n)
