@@ -306,3 +306,81 @@ def test_the_listening_socket_gives_accepted_connections_tcp_nodelay():
             await server.wait_closed()
 
     assert asyncio.run(nodelay_of_an_accepted_connection()) != 0
+
+
+# ---------------------------------------------------------------- a vLLM user's command line
+
+_VLLM_LINE = ["serve", "some/model", "--enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser",
+              "hermes", "-tp", "1", "--dtype", "half", "--disable-log-requests", "-O", '{"level": 0}',
+              "--uvicorn-log-level", "warning", "--max-log-len", "100"]
+
+
+def test_a_vllm_serve_command_line_parses_into_vgraph_settings():
+    from vgraph import cli
+    from vgraph.config import CompileLevel, EngineConfig
+    args = _parse(*_VLLM_LINE)
+    cli._merge_model(args)
+    config = EngineConfig.from_kwargs(args.model, **cli._engine_kwargs(args))
+    assert config.model.dtype == "float16" and config.cache.enable_prefix_caching
+    assert config.parallel.tensor_parallel_size == 1 and config.compile.level is CompileLevel.NONE
+    settings = cli._server_settings(args, args.model)
+    assert (settings.log_requests, settings.max_log_len, settings.uvicorn_log_level) == (False, 100, "warning")
+    assert settings.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+
+
+@pytest.mark.parametrize("flags,field,value", [
+    (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
+    (["--no-prefix-caching", "--enable-prefix-caching"], "enable_prefix_caching", True),  # the last one wins
+    (["--no-enable-chunked-prefill"], "enable_chunked_prefill", False),
+    (["--enable-chunked-prefill"], "enable_chunked_prefill", True),
+    (["--num-gpu-blocks-override", "64"], "num_gpu_blocks", 64),
+    (["-tp", "2"], "tensor_parallel_size", 2),
+    (["--dtype", "float"], "dtype", "float32"),
+    (["-O0"], "level", "none"),
+    (["-O3"], "level", "compiled"),
+    (["-O", '{"cudagraph_mode": "FULL", "cudagraph_capture_sizes": [1, 2]}'], "cudagraph_mode", "full"),
+    (["-O", '{"pass_config": {"enable_fusion": false}}'], "enable_fusion", False),
+    (["--compilation-config", '{"custom_ops": ["none"]}'], "custom_ops", False),
+    (["-O", '{"max_cudagraph_capture_size": 64}'], "max_capture_size", 64),
+])
+def test_vllm_spellings_set_vgraph_fields(flags, field, value):
+    from vgraph import cli
+    from vgraph.config import EngineConfig
+    config = EngineConfig.from_kwargs("m", **cli._engine_kwargs(_parse("serve", *flags)))
+    section = {"enable_prefix_caching": config.cache, "num_gpu_blocks": config.cache, "dtype": config.model,
+               "enable_chunked_prefill": config.scheduler, "tensor_parallel_size": config.parallel}
+    assert getattr(section.get(field, config.compile), field) == value
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: vgraph keeps the KV cache in the model's dtype"),
+    (["--generation-config", "/no/such/dir"], "generation_config '/no/such/dir' is neither vllm, auto nor a "
+                                              "directory holding a generation_config.json"),
+    (["-O", '{"use_inductor": true}'], "-O/--compilation-config: unknown key 'use_inductor'"),
+    (["-O", "fast"], "-O/--compilation-config takes a level (0-3) or a JSON object"),
+    (["-O", '{"pass_config": {"enable_noop": true}}'], "pass_config key 'enable_noop' is not one vgraph has"),
+    (["-O3", "--enforce-eager"], "-O/--compilation-config sets level=compiled but --enforce-eager gives none"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+])
+def test_refused_vllm_flags_exit_2_with_one_line(flags, message, capsys):
+    from vgraph import cli
+    assert cli.main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_accepted_vllm_flags_that_change_nothing_parse():
+    args = _parse("serve", "--trust-remote-code", "--disable-log-stats", "--kv-cache-dtype", "auto",
+                  "--generation-config", "vllm", "--response-role", "bot", "--root-path", "/llm")
+    assert args.trust_remote_code and args.disable_log_stats
+    assert (args.response_role, args.root_path) == ("bot", "/llm")
+
+
+def test_a_bad_serve_argument_prints_serves_usage(capsys):
+    from vgraph import cli
+    for argv in (["serve", "--no-such-flag"], ["serve", "--dtype", "double"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: vgraph serve ") and "vgraph serve: error:" in err, err

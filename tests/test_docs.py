@@ -161,3 +161,22 @@ def test_the_cli_reference_lists_every_option_of_every_command():
             for option in action.option_strings:
                 if option not in ("-h", "--help"):
                     assert f"`{option}`" in page, f"vgraph {name} {option} is missing from the CLI reference"
+
+
+# ------------------------------------------------------------------------ coming from vLLM
+
+def test_every_vllm_flag_on_the_compat_page_is_a_serve_flag():
+    """docs/vllm-compat.md says what vgraph does with each of vllm serve's flags: each flag its
+    table names must be one `vgraph serve` takes (accepted, an alias, or refused by value)."""
+    import argparse
+
+    from vgraph.cli import build_parser
+    serve = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    serve.format_help()  # its deferred options
+    known = {option for action in serve._actions for option in action.option_strings}
+    page = (DOCS / "vllm-compat.md").read_text(encoding="utf-8")
+    table = page.split("## vLLM's serve flags")[1].split("### ")[0]
+    flags = {flag for row in table.splitlines() if row.startswith("| `")
+             for flag in re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", row.split(" | ")[0])}
+    assert {"-tp", "-O", "--trust-remote-code", "--kv-cache-dtype"} <= flags, "the table is read"
+    assert flags <= known, sorted(flags - known)

@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any, Callable, Optional, Sequence
 
-from . import __version__, logging_setup
+from . import __version__, logging_setup, vllm_compat
 from .cli_options import add_field_options
 
 DESCRIPTION = (
@@ -108,6 +108,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     for section, kind in SECTIONS.items():
         group = p.add_argument_group(f"engine options ({kind.__name__})")
         add_field_options(group, kind, skip=SECTIONS if section == "engine" else (), notes=notes)
+    vllm_compat.add_engine_options(p)
 
 
 def _here_notes() -> dict[str, str]:
@@ -125,9 +126,30 @@ def _here_notes() -> dict[str, str]:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``EngineConfig.from_kwargs`` keywords from the parsed engine options (the model apart)."""
     from vgraph.config import FIELD_SECTION
+    vllm_compat.check(args)
     kwargs = {name: getattr(args, name) for name in FIELD_SECTION}
+    if args.compilation_config is not None:
+        _apply_compilation_config(kwargs, args.compilation_config)
     kwargs["passes"] = [_load_pass(spec) for spec in kwargs["passes"]]
     return kwargs
+
+
+def _apply_compilation_config(kwargs: dict[str, Any], text: str) -> None:
+    """``-O``: its CompileConfig fields into ``kwargs``, unless a field's own flag disagrees."""
+    import dataclasses
+
+    from vgraph.cli_options import field_default, shown
+    from vgraph.config import CompileConfig
+    compile_fields = dataclasses.fields(CompileConfig)
+    defaults = {f.name: field_default(f) for f in compile_fields}
+    flags = {f.name: f.metadata.get("flag", "--" + f.name.replace("_", "-")) for f in compile_fields}
+    fields = vllm_compat.compilation_config(text)
+    for name, value in fields.items():
+        given = kwargs[name]
+        if given != defaults[name] and given != value:
+            raise UserError(f"-O/--compilation-config sets {name}={shown(value)} but {flags[name]} "
+                            f"gives {shown(given)}")
+        kwargs[name] = value
 
 
 def _load_pass(spec: str) -> Any:
@@ -401,6 +423,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM (default: 30.0)")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request (off by default)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice auto; vgraph reads tool calls whenever "
+                        "--tool-call-parser is given, which this flag requires (off by default)")
     g.add_argument("--engine-in-process", action="store_true",
                    help="run the engine (scheduler and model) on a thread of the server process instead of "
                         "in its own engine-core process (the default), as the library LLM does: for tests "
@@ -484,6 +509,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.port > 65535:
         raise UserError(f"--port must be at most 65535, got {args.port}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     from vgraph.engine import launch
     launch.prepare_environment()  # before torch loads
     from vgraph.config import EngineConfig
@@ -607,8 +634,18 @@ def _log_level(args: argparse.Namespace) -> str:
         raise UserError(str(exc)) from None
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """``parser.parse_args``, except that arguments the command does not know are reported by
+    the command's parser, with its usage (argparse reports them with the top-level one)."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         args.log_level = _log_level(args)
     except UserError as exc:

@@ -25,21 +25,23 @@ def add_field_options(group: Any, kind: type, skip: Iterable[str] = (),
     for f in dataclasses.fields(kind):
         if f.name in skip or "help" not in f.metadata:
             continue
-        flag, options = field_option(f, hints[f.name], (notes or {}).get(f.name))
-        group.add_argument(flag, **options)
+        flags, options = field_option(f, hints[f.name], (notes or {}).get(f.name))
+        group.add_argument(*flags, **options)
         added.append(f.name)
     return added
 
 
-def field_option(f: dataclasses.Field, hint: Any, note: Optional[str] = None) -> tuple[str, dict[str, Any]]:
-    """The flag and ``add_argument`` keywords of one field; the option's dest is the field's name."""
+def field_option(f: dataclasses.Field, hint: Any, note: Optional[str] = None) -> tuple[list[str], dict[str, Any]]:
+    """The flags (the field's own first, then its ``aliases``) and ``add_argument`` keywords of
+    one field; the option's dest is the field's name."""
     meta, default = f.metadata, field_default(f)
     text = meta["help"] + (f" ({note})" if note else "")
     flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+    aliases = list(meta.get("aliases", ()))
     options: dict[str, Any] = {"dest": f.name, "default": default}
     if "value" in meta:  # e.g. --enforce-eager stores CompileLevel.NONE into level
-        return flag, {**options, "action": "store_const", "const": meta["value"],
-                      "help": _help(f"{text}; sets {f.name}={shown(meta['value'])}", default)}
+        return [flag, *aliases], {**options, "action": "store_const", "const": meta["value"],
+                                  "help": _help(f"{text}; sets {f.name}={shown(meta['value'])}", default)}
     if hint is bool or hint == Optional[bool]:
         return _bool_option(f, flag, options, text)
     options.update(type=_scalar_type(hint), metavar=flag.lstrip("-").replace("-", "_").upper(),
@@ -50,19 +52,40 @@ def field_option(f: dataclasses.Field, hint: Any, note: Optional[str] = None) ->
         options.update(action="append")  # a list given one value per flag (--pass A --pass B)
     if "choices" in meta:
         options.update(choices=meta["choices"], metavar=None)
-    return flag, options
+    return [flag, *aliases], options
 
 
-def _bool_option(f: dataclasses.Field, flag: str, options: dict[str, Any], text: str) -> tuple[str, dict[str, Any]]:
+def _bool_option(f: dataclasses.Field, flag: str, options: dict[str, Any],
+                 text: str) -> tuple[list[str], dict[str, Any]]:
     """True by default: a ``negative`` flag (``--no-x`` unless the metadata names another) turns
-    it off. Unset by default (None): ``--x`` / ``--no-x``. False by default: the flag turns it on."""
-    default = options["default"]
+    it off, and so do its ``aliases``; a ``positive`` flag (vLLM's explicit spelling of the
+    default, e.g. --enable-prefix-caching) turns it back on. Unset by default (None): ``--x`` /
+    ``--no-x``. False by default: the flag (or an alias) turns it on."""
+    default, aliases = options["default"], list(f.metadata.get("aliases", ()))
     if default is None:
-        return flag, {**options, "action": argparse.BooleanOptionalAction, "help": _help(text, None)}
+        return [flag], {**options, "action": argparse.BooleanOptionalAction, "help": _help(text, None)}
     if default:
         negative = f.metadata.get("negative", "--no-" + flag[2:])
-        return negative, {**options, "action": "store_false", "help": escape(f"turns off: {text} (on by default)")}
-    return flag, {**options, "action": "store_true", "help": escape(f"{text} (off by default)")}
+        positive = f.metadata.get("positive")
+        if positive is None:
+            return [negative, *aliases], {**options, "action": "store_false",
+                                          "help": escape(f"turns off: {text} (on by default)")}
+        return [negative, *aliases, positive], {
+            **options, "action": _Switch, "on": [positive],
+            "help": escape(f"turns off: {text} (on by default; {positive} turns it on)")}
+    return [flag, *aliases], {**options, "action": "store_true", "help": escape(f"{text} (off by default)")}
+
+
+class _Switch(argparse.Action):
+    """One boolean setting under several flags: those in ``on`` store True, the others False.
+    One action rather than two, so the setting keeps one dest and one default."""
+
+    def __init__(self, option_strings: list[str], dest: str, on: Iterable[str] = (), **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.on = frozenset(on)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: Optional[str] = None) -> None:
+        setattr(namespace, self.dest, option_string in self.on)
 
 
 def field_default(f: dataclasses.Field) -> Any:

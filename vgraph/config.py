@@ -21,8 +21,10 @@ import torch
 
 from .pooling_params import POOLING_TYPES
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-           "half": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Other names of the same dtypes (torch's and vLLM's), made the canonical one when a
+# ModelConfig is built, so `--dtype half` and `--dtype float16` give equal configs.
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 LOAD_FORMATS = ("auto", "dummy")
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
@@ -36,6 +38,7 @@ def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtyp
         return name
     if name == "auto":
         return checkpoint_dtype if checkpoint_dtype in _DTYPES.values() else torch.float32
+    name = _DTYPE_ALIASES.get(name, name)
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[name]
@@ -79,7 +82,10 @@ def _enum(kind: type[enum.Enum], value: Any, what: str) -> Any:
 def cli(help: str, **extra: Any) -> dict[str, Any]:
     """Field metadata for the CLI: ``help`` plus optional ``flag`` (the option's name when it
     is not ``--field-name``), ``choices``, ``nargs``, ``negative`` (the ``--no-x`` form of a
-    boolean that defaults to True) and ``value`` (a flag that stores this value when given)."""
+    boolean that defaults to True), ``value`` (a flag that stores this value when given),
+    ``aliases`` (more spellings of the flag, of ``negative`` for a boolean that defaults to
+    True: vLLM's names, so its command lines run unchanged) and ``positive`` (for a boolean that
+    defaults to True, a flag that turns it on, as vLLM's ``--enable-x``)."""
     return {"help": help, **extra}
 
 
@@ -88,8 +94,9 @@ class ModelConfig:
     model: str = field(metadata=cli("local HF model directory or hub id (default: the demo model)"))
     dtype: str | torch.dtype = field(default="auto", metadata=cli(
         "weights and activations dtype. Default auto: the checkpoint's torch_dtype, on every device "
-        "(float32 when it names none); on CPU, float32 runs vgraph's packed float32 GEMM",
-        choices=["auto", "float32", "float16", "bfloat16"]))
+        "(float32 when it names none); on CPU, float32 runs vgraph's packed float32 GEMM. "
+        "half and float are other names of float16 and float32",
+        choices=["auto", "float32", "float16", "bfloat16", *_DTYPE_ALIASES]))
     max_model_len: Optional[int] = field(default=None, metadata=cli(
         "longest sequence (prompt + output); default: the checkpoint's max_position_embeddings"))
     quantization: Optional[str] = field(default=None, metadata=cli(
@@ -113,6 +120,8 @@ class ModelConfig:
         "embeddings: L2-normalize each embedding", negative="--no-pooling-normalize"))
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str):
+            object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unsupported load_format {self.load_format!r}; choose one of "
                              f"{', '.join(LOAD_FORMATS)}")
@@ -155,14 +164,16 @@ class CacheConfig:
         f"tokens per KV cache block (default: {GPU_BLOCK_SIZE} on CUDA; {CPU_BLOCK_SIZE} on CPU, where "
         "longer blocks stream faster in decode attention)"))
     enable_prefix_caching: bool = field(default=True, metadata=cli(
-        "reuse the KV blocks of a shared prompt prefix", negative="--no-prefix-caching"))
+        "reuse the KV blocks of a shared prompt prefix", negative="--no-prefix-caching",
+        aliases=["--no-enable-prefix-caching"], positive="--enable-prefix-caching"))
     # On CUDA the pool is sized from a profiling run and this fraction of device memory; on
     # CPU (or when set) num_gpu_blocks / cpu_kv_cache_gib decide.
     gpu_memory_utilization: float = field(default=0.9, metadata=cli(
         "CUDA only: fraction of GPU memory vgraph may use (weights, activations, graphs and the KV cache); "
         "the KV cache gets what the rest leaves"))
     num_gpu_blocks: Optional[int] = field(default=None, metadata=cli(
-        "KV cache blocks on any device, overriding the memory-based sizing (default: sized from memory)"))
+        "KV cache blocks on any device, overriding the memory-based sizing (default: sized from memory)",
+        aliases=["--num-gpu-blocks-override"]))
     cpu_kv_cache_gib: float = field(default=1.0, metadata=cli(
         "CPU only: KV cache size in GiB (on CUDA, --gpu-memory-utilization sizes it)", flag="--kv-cache-gib"))
 
@@ -199,7 +210,8 @@ class SchedulerConfig:
         f"most tokens in one step (default: {GPU_STEP_TOKENS} on CUDA; {CPU_STEP_TOKENS} on CPU, "
         "where steps whose activations stay in cache prefill fastest)"))
     enable_chunked_prefill: bool = field(default=True, metadata=cli(
-        "split long prompts over several steps", negative="--no-chunked-prefill"))
+        "split long prompts over several steps", negative="--no-chunked-prefill",
+        aliases=["--no-enable-chunked-prefill"], positive="--enable-chunked-prefill"))
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -324,7 +336,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = field(default=1, metadata=cli(
         "worker processes (one per device) that each hold 1/N of the attention heads, the MLP and the "
-        "vocabulary, and their own KV cache; 1 runs the model in the engine's process"))
+        "vocabulary, and their own KV cache; 1 runs the model in the engine's process", aliases=["-tp"]))
     # None: resolved from the device (gloo on CPU, nccl on CUDA).
     distributed_backend: Optional[str] = field(default=None, metadata=cli(
         "torch.distributed backend of the tensor-parallel group (default: gloo on CPU, nccl on CUDA)",

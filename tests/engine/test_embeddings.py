@@ -147,5 +147,6 @@ def test_a_prompt_may_fill_the_whole_context_when_nothing_is_generated():
     scored = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=0, prompt_logprobs=0),
                           use_tqdm=False)[0]
     assert len(scored.prompt_logprobs) == 64 and scored.outputs[0].token_ids == []
-    with pytest.raises(ValueError, match="max_model_len is 64"):
+    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens\. However, you requested 65 tokens "
+                                         r"\(65 in the prompt, 0 in the completion\)"):
         llm.embed({"prompt_token_ids": prompt + [1]}, use_tqdm=False)

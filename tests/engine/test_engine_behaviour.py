@@ -19,8 +19,8 @@ def _all_free(llm: LLM) -> bool:
 
 
 BAD_INPUTS = [
-    (list(range(3, 300)), {}, "max_model_len"),
-    (list(range(3, 200)), {"max_tokens": 100}, "exceeds max_model_len"),
+    (list(range(3, 300)), {}, "maximum context length is"),
+    (list(range(3, 200)), {"max_tokens": 100}, r"you requested 297 tokens \(197 in the prompt, 100 in the completion\)"),
     ("", {}, "empty"),
     ([], {}, "empty"),
     ([5, 100000], {}, "outside the vocabulary"),

@@ -43,9 +43,10 @@ def test_engine_limit_is_the_cache_capacity(small_kv):
 
 def test_requests_that_cannot_fit_are_rejected_up_front(small_kv):
     llm, _ = small_kv
-    with pytest.raises(ValueError, match=r"exceeds max_model_len \(64\)"):
+    with pytest.raises(ValueError, match=r"maximum context length is 64 tokens\. However, you requested 110 tokens "
+                                         r"\(10 in the prompt, 100 in the completion\)"):
         llm.generate([list(range(10, 20))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-    with pytest.raises(ValueError, match="max_model_len is 64"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, you requested 71 tokens"):
         llm.generate([list(range(10, 80))], SamplingParams(max_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 

@@ -11,8 +11,10 @@ LONG = [7] * 600  # longer than the demo model's max_model_len (512)
 
 COMPLETION_CASES = [
     # (body changes, expected status, expected param or None, words in the message)
-    ({"prompt": LONG}, 400, "prompt", "max_model_len"),
-    ({"prompt": [7] * 400, "max_tokens": 200}, 400, "max_tokens", "exceeds max_model_len"),
+    ({"prompt": LONG}, 400, "prompt", "This model's maximum context length is 512 tokens. However, the prompt has 600"),
+    ({"prompt": [7] * 400, "max_tokens": 200}, 400, "max_tokens",
+     "This model's maximum context length is 512 tokens. However, you requested 600 tokens (400 in the prompt, "
+     "200 in the completion). Please reduce the length of the prompt or completion."),
     ({"prompt": ""}, 400, None, "empty"),
     ({"prompt": []}, 400, "prompt", "empty"),
     ({"prompt": [5, 100000]}, 400, "prompt", "outside the vocabulary"),
@@ -64,7 +66,8 @@ CHAT_CASES = [
     ({"max_completion_tokens": 0}, 400, "max_completion_tokens", "max_tokens"),
     ({"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ({"echo": True}, 400, "echo", "not supported in chat"),
-    ({"max_completion_tokens": 600}, 400, "max_completion_tokens", "exceeds max_model_len"),
+    ({"max_completion_tokens": 600}, 400, "max_completion_tokens", "in the messages, 600 in the completion). Please "
+     "reduce the length of the messages or completion."),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--tool-call-parser"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
      "does not support tools"),

@@ -134,8 +134,10 @@ LIMIT_CASES = [
     # (route, body, param, code, words in the message)
     ("/v1/completions", {"prompt": "x" * (PROMPT_CHARS + 1)}, "prompt", "prompt_too_long", "--max-prompt-chars"),
     ("/v1/completions", {"prompt": ["hi", "x" * (PROMPT_CHARS + 1)]}, "prompt", "prompt_too_long", "prompt 1 has"),
-    ("/v1/completions", {"prompt": "hello " * 200}, "prompt", "prompt_too_long", "--max-prompt-tokens"),
-    ("/v1/completions", {"prompt": [[5]] * 2 + [[5] * 512]}, "prompt", "prompt_too_long", "max_model_len is 512"),
+    ("/v1/completions", {"prompt": "hello " * 200}, "prompt", "context_length_exceeded",
+     "maximum context length is 512 tokens. However, the prompt has"),
+    ("/v1/completions", {"prompt": [[5]] * 2 + [[5] * 512]}, "prompt", "context_length_exceeded",
+     "This model's maximum context length is 512 tokens. However, prompt 2 has 512 tokens"),
     ("/v1/completions", {"prompt": ["a"] * 257}, "prompt", "too_many_prompts", "--max-prompts-per-request"),
     ("/v1/completions", {"prompt": ["a"] * 9, "n": 128}, "n", "too_many_sequences", "--max-sequences-per-request"),
     ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, "stop", "too_many_stop_strings",
@@ -154,7 +156,7 @@ LIMIT_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]},
      "messages", "prompt_too_long", "the messages' text has 199999 characters"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 200}]}, "messages",
-     "prompt_too_long", "rendered messages"),
+     "context_length_exceeded", "maximum context length is 512 tokens. However, the rendered messages has"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "seed",
      "seed_out_of_range", "64-bit"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": ["s"] * 65}, "stop",
@@ -240,8 +242,8 @@ def test_models_reports_the_engines_max_model_len(overridden):
     models = httpx.get(overridden.url + "/v1/models", timeout=10).json()["data"]
     assert [m["max_model_len"] for m in models] == [256]
     assert overridden.post("/tokenize", {"prompt": "hi"}).json()["max_model_len"] == 256
-    _assert_error(overridden.post("/v1/completions", {"prompt": [5] * 256}), 400, "prompt", "prompt_too_long",
-                  "at most 255")
+    _assert_error(overridden.post("/v1/completions", {"prompt": [5] * 256}), 400, "prompt", "context_length_exceeded",
+                  "maximum context length is 256 tokens. However, the prompt has 256 tokens")
 
 
 def test_a_large_prompt_is_tokenized_while_health_keeps_answering(overridden):

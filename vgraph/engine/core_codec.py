@@ -25,7 +25,7 @@ import msgpack
 
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from .inputs import InputError
+from .inputs import ContextLengthError, InputError
 from .outputs import OutputDelta, SequenceDelta
 from .stats import EngineStats, RequestTiming
 
@@ -116,6 +116,8 @@ def decode_delta(data: list) -> OutputDelta:
 # ---------------------------------------------------------------------------- errors
 
 def encode_error(error: BaseException) -> list:
+    if isinstance(error, ContextLengthError):  # its numbers, so the server can word it for chat
+        return ["ContextLengthError", str(error), *error.numbers, error.param]
     if isinstance(error, InputError):  # bad input keeps the field it names
         return ["InputError", str(error), error.param]
     return [type(error).__name__, str(error)]
@@ -133,6 +135,8 @@ def decode_error(data: list) -> Exception:
     name, message = data[:2]
     if name == "InputError":
         return InputError(message, data[2])
+    if name == "ContextLengthError":
+        return ContextLengthError(*data[2:])
     kind = getattr(builtins, name, None)
     if isinstance(kind, type) and issubclass(kind, Exception):
         return kind(message)

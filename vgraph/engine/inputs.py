@@ -22,6 +22,24 @@ class InputError(ValueError):
         return InputError(f"prompt {index}: {self}", self.param)
 
 
+class ContextLengthError(InputError):
+    """A request longer than the model's context, said in OpenAI's (and vLLM's) words: clients
+    recognise the overflow by that sentence (litellm raises ContextWindowExceededError on it),
+    so its wording is part of the API. ``where`` names the input: the prompt, or the messages
+    of a chat request (``said_of``)."""
+
+    def __init__(self, max_model_len: int, prompt_tokens: int, completion_tokens: int,
+                 param: Optional[str], where: str = "prompt") -> None:
+        self.numbers = (max_model_len, prompt_tokens, completion_tokens)
+        super().__init__(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                         f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the {where}, "
+                         f"{completion_tokens} in the completion). Please reduce the length of the {where} "
+                         "or completion.", param)
+
+    def said_of(self, where: str) -> "ContextLengthError":
+        return ContextLengthError(*self.numbers, self.param, where)
+
+
 def prompt_to_ids(prompt: PromptType, tokenizer: Any) -> tuple[Optional[str], list[int]]:
     """A string, a list of token ids, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}``."""
     if isinstance(prompt, dict):
@@ -58,17 +76,15 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int,
                          f"[0, {vocab_size})", "stop_token_ids")
     if params.max_tokens == 0:  # prefill only (echo, scoring, pooling): the prompt may fill the context
         if len(ids) > max_model_len:
-            raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}", "prompt")
+            raise ContextLengthError(max_model_len, len(ids), 0, "prompt")
         return params
-    if len(ids) >= max_model_len:
-        raise InputError(f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, "
-                         "which must leave room for at least one generated token", "prompt")
+    if len(ids) >= max_model_len:  # no room for the one token every generation produces
+        raise ContextLengthError(max_model_len, len(ids), params.max_tokens or 1, "prompt")
     room = max_model_len - len(ids)
     if params.max_tokens is None:
         return _with_max_tokens(params, room)
     if params.max_tokens > room:
-        raise InputError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                         f"max_model_len ({max_model_len})", "max_tokens")
+        raise ContextLengthError(max_model_len, len(ids), params.max_tokens, "max_tokens")
     return params
 
 

@@ -10,20 +10,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI
 
 from .. import __version__
 from ..engine.dp_engine import DataParallelEngine
+from ..engine.stats import StepOutput
 from . import routes_chat, routes_completions, routes_embeddings, routes_misc
 from .auth import APIKeyMiddleware
 from .header_limit import HeaderLimitMiddleware
 from .errors import CatchAllMiddleware, install_error_handlers
 from .metrics import ServerMetrics
+from .request_log import RequestLog
 from .state import Engine, ServerSettings, ServerState
 
 logger = logging.getLogger("vgraph.server")
+
+
+def _both(first: Callable[[StepOutput], None], second: Callable[[StepOutput], None]) -> Callable[[StepOutput], None]:
+    def on_step(step: StepOutput) -> None:
+        first(step)
+        second(step)
+    return on_step
 
 
 def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
@@ -33,11 +42,13 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
 
     The engine's ``on_fatal`` runs on the event loop when it fails to start or dies later; the
     caller sets it and decides how the process ends (see ``lifecycle.serve``). The app sets
-    ``on_step`` (the metrics).
+    ``on_step`` (the metrics, and the request log unless --disable-log-requests).
     """
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     metrics = ServerMetrics(settings.served_model_names[0], lambda: [replica.stats for replica in replicas])
     engine.on_step = metrics.observe
+    if settings.log_requests:  # one hook: the request log follows the metrics
+        engine.on_step = _both(metrics.observe, RequestLog(settings.max_log_len).observe)
     state = ServerState(settings, engine, metrics)
 
     @contextlib.asynccontextmanager

@@ -67,8 +67,10 @@ def serve(settings: ServerSettings, engine: Engine, *, host: str, port: int,
     engine.on_fatal = on_fatal
     app = build_app(settings, engine)
     guard = ConnectionGuard(_connection_limits(settings))
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=log_level.lower(),
-                            access_log=access_log, http=protocol_class(guard), backlog=guard.limits.backlog,
+    config = uvicorn.Config(app, host=host, port=port, log_config=None,
+                            log_level=(settings.uvicorn_log_level or log_level).lower(),
+                            root_path=settings.root_path, access_log=access_log, http=protocol_class(guard),
+                            backlog=guard.limits.backlog,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,  # type: ignore[arg-type]
                             timeout_keep_alive=settings.keep_alive_timeout)  # type: ignore[arg-type]

@@ -112,6 +112,12 @@ class Limits:
                           "--max-prompt-chars", param, "prompt_too_long")
 
     def check_tokens(self, tokens: int, what: str, param: str) -> None:
+        """Against --max-prompt-tokens; a prompt that also fills the context is refused in
+        OpenAI's words (see ContextLengthError), which clients recognise as an overflow."""
+        if tokens > self.prompt_tokens and tokens >= self.max_model_len:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, {what} "
+                              f"has {tokens} tokens, which leaves no room for a completion. Please reduce the "
+                              f"length of {what}.", param, code="context_length_exceeded")
         if tokens > self.prompt_tokens:
             raise _refuse(f"{what} has {tokens} tokens; at most {self.prompt_tokens} are allowed "
                           f"(max_model_len is {self.max_model_len}, and a prompt must leave room for at least "

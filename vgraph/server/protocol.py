@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -116,11 +116,13 @@ class _GenerationFields(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int], max_logprobs: int,
-                        field_names: Optional[dict[str, str]] = None) -> SamplingParams:
+                        field_names: Optional[dict[str, str]] = None,
+                        defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
         """Builds validated ``SamplingParams``; a bad value is a 400 naming its field.
 
         ``field_names`` maps SamplingParams fields to this request's names where they differ
         (chat's ``top_logprobs``, ``max_completion_tokens``), so ``param`` names what was sent.
+        ``defaults`` (``--generation-config``) fill the sampling settings the request left unset.
         """
         fields: dict[str, Any] = {
             "n": self.n, "seed": self.seed, "stop": self.stop, "stop_token_ids": self.stop_token_ids or [],
@@ -130,6 +132,7 @@ class _GenerationFields(_Strict):
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                     "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
+        fields.update(defaults or {})
         fields.update({k: v for k, v in optional.items() if v is not None})
         try:
             params = SamplingParams(**fields)

@@ -2,7 +2,8 @@
 
 The template is rendered here (``--chat-template`` or the tokenizer's) and the engine gets
 token ids, so what is generated from is exactly what ``/tokenize`` with the same messages
-shows. Streams open each choice with a ``{"role": "assistant"}`` delta, as OpenAI's do.
+shows. Streams open each choice with a ``{"role": "assistant"}`` delta, as OpenAI's do (the
+role is ``--response-role``, assistant by default, as in vLLM).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ async def create_chat_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body, model = await state.read_generation_request(request, ChatCompletionRequest)
     params = body.sampling_params(body.max_new_tokens, body.num_logprobs, state.engine.max_logprobs,
-                                  body.field_names)
+                                  body.field_names, state.sampling_defaults)
     tools = tool_setup(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings.tool_call_parser)
     params = await state.constrain(body, params, tools.constraint)
     messages = await state.chat_messages(body.messages, params.n)
@@ -76,11 +77,12 @@ class _Chat:
         return {**self._envelope("chat.completion", choices), "usage": usage([output])}
 
     def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], Optional[str]]:
-        """The assistant message (with tool_calls when tools are read) and the finish reason."""
+        """The reply's message (with tool_calls when tools are read) and the finish reason."""
         reader = self.tools.choice_tools()
         if reader is None:
-            return {"role": "assistant", "content": c.text}, c.finish_reason
-        return reader.message(c.text, c.finish_reason)
+            return {"role": self.state.settings.response_role, "content": c.text}, c.finish_reason
+        message, reason = reader.message(c.text, c.finish_reason)
+        return {**message, "role": self.state.settings.response_role}, reason
 
     async def stream(self, collector: OutputCollector) -> AsyncIterator[bytes]:
         trackers: dict[int, DeltaTracker] = {}
@@ -95,8 +97,8 @@ class _Chat:
                         if c.index not in trackers:
                             trackers[c.index] = DeltaTracker(self.params)
                             self.readers[c.index] = self.tools.choice_tools()
-                            role = {"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None}
+                            opening = {"role": self.state.settings.response_role, "content": ""}
+                            role = {"index": c.index, "delta": opening, "logprobs": None, "finish_reason": None}
                             yield sse({**self._envelope("chat.completion.chunk", [role]), **extra})
                         chunk = self._chunk_choice(c, trackers[c.index])
                         if chunk is not None:

@@ -36,7 +36,8 @@ async def create_completion(request: Request) -> Response:
     state: ServerState = request.app.state.server
     body, model = await state.read_generation_request(request, CompletionRequest)
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, state.engine.max_logprobs,
+                                  defaults=state.sampling_defaults)
     if body.prompt_logprobs is not None:  # echo + logprobs: the prompt is scored in its prefill
         params = replace(params, prompt_logprobs=body.prompt_logprobs)
     params = await state.constrain(body, params)

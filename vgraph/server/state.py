@@ -13,7 +13,8 @@ from fastapi import Request
 from ..engine.client import (EngineClient, EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError,
                              RequestTooLargeError)
 from ..engine.dp_engine import DataParallelEngine
-from ..engine.inputs import PromptType
+from ..engine.inputs import ContextLengthError, PromptType
+from .. import vllm_compat
 from ..engine.outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..structured.params import StructuredOutputsParams
@@ -96,6 +97,27 @@ class ServerSettings:
                 "(Qwen2.5, Hermes: <tool_call> JSON) or llama3_json (Llama 3.1 JSON); without it "
                 "tool_choice auto is refused (required and named calls need no parser)",
         "choices": ["hermes", "llama3_json"]})
+    # Chat replies, the HTTP server and its log, under vLLM's flag names (docs/vllm-compat.md).
+    response_role: str = field(default="assistant", metadata={
+        "help": "the role of the message in chat completions' replies"})
+    root_path: str = field(default="", metadata={
+        "help": "the path prefix a reverse proxy serves this server under (uvicorn's root_path; "
+                "default: none)"})
+    uvicorn_log_level: Optional[str] = field(default=None, metadata={
+        "help": "log level of uvicorn's own messages (default: that of --log-level)",
+        "choices": ["critical", "error", "warning", "info", "debug", "trace"]})
+    log_requests: bool = field(default=True, metadata={
+        "help": "one INFO line per finished request (id, tokens in and out, finish reasons, latency)",
+        "flag": "--enable-log-requests", "negative": "--disable-log-requests", "positive": "--enable-log-requests"})
+    max_log_len: Optional[int] = field(default=None, metadata={
+        "help": "with each request's log line, log up to this many characters of its prompt "
+                "(default: none, prompts are not logged)"})
+    # vLLM's default is auto; vgraph keeps its own defaults unless asked, so that an upgrade
+    # does not change what existing requests sample.
+    generation_config: str = field(default="vllm", metadata={
+        "help": "default sampling settings (temperature, top_p, top_k, min_p, repetition_penalty) of requests "
+                "that do not send them: vllm, vgraph's own; auto, those of the model's generation_config.json; "
+                "or DIR, those of DIR/generation_config.json"})
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -107,6 +129,9 @@ class ServerSettings:
         for name in ("header_timeout", "body_timeout", "stall_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        vllm_compat.check_generation_config(self.generation_config)
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
 
@@ -121,6 +146,7 @@ class ServerState:
         self.exit_requested: Callable[[], bool] = lambda: False  # set by lifecycle: a drain has begun
         self._token_texts: Optional[TokenTexts] = None
         self._tokenizer: Optional[ServerTokenizer] = None
+        self._sampling_defaults: Optional[dict[str, Any]] = None
 
     def close(self) -> None:
         """Stops the tokenizer's worker thread (the lifespan's end)."""
@@ -143,6 +169,18 @@ class ServerState:
         if self._tokenizer is None:
             self._tokenizer = ServerTokenizer(self.engine.tokenizer, self.engine.worker_tokenizer)
         return self._tokenizer
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What ``--generation-config`` gives requests that omit a sampling setting (read once,
+        when the engine is ready: ``auto`` needs the model's directory)."""
+        if self._sampling_defaults is None:
+            source = self.settings.generation_config
+            self._sampling_defaults = vllm_compat.sampling_defaults(source, self.engine.model_path)
+            if self._sampling_defaults:
+                logger.info("requests that do not set them sample with %s (--generation-config %s)",
+                            ", ".join(f"{k}={v}" for k, v in self._sampling_defaults.items()), source)
+        return self._sampling_defaults
 
     @property
     def limits(self) -> Limits:
@@ -219,7 +257,10 @@ class ServerState:
         except ValueError as exc:
             param = getattr(exc, "param", None) or param_from_message(str(exc))
             param = prompt_param if param == "prompt" else (field_names or {}).get(param or "", param)
-            raise bad_request(str(exc), param) from None
+            if isinstance(exc, ContextLengthError) and prompt_param == "messages":
+                exc = exc.said_of("messages")
+            code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+            raise bad_request(str(exc), param, code=code) from None
         except QueueFullError as exc:
             raise APIError(503, f"the server is overloaded: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None
