@@ -19,7 +19,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import msgpack
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 
 from .client import EngineClient, EngineDeadError, EngineProcessDiedError, Ready
 from .core_codec import (ACCEPTED, ADD, FATAL, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts, decode_delta,
-                         decode_error, decode_stats, decode_timing, encode_message, encode_params, pack, unpack)
+                         decode_error, decode_stats, decode_timing, encode_message, encode_params, unpack)
 from .core_loop import EngineLoop, engine_facts
 from .core_process import CoreProcessConfig, run_engine_core
 from .stats import EngineStep
