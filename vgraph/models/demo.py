@@ -28,10 +28,45 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD) + ROLE_TOKENS  # ids 0..5, in this order
 
-# Role header, message, eos; the generation prompt opens an assistant turn.
+# Role header, message, eos; the generation prompt opens an assistant turn. Tools (hermes
+# style, which ``--tool-call-parser hermes`` reads back): with ``tools``, one system turn first
+# lists each function as a line of compact JSON inside <tools></tools> (after the
+# conversation's own system message, which it absorbs; compact because the demo model's
+# context is 512 tokens); an assistant's calls are <tool_call> JSON blocks; a tool's result is
+# a user turn wrapped in <tool_response>. A chat with no tools and no tool messages renders
+# exactly as the plain template did (tests hold it to that), so recorded results stay valid.
+_TOOLS_BLOCK = (
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% set ns.first = 1 %}"
+    "{% endif %}"
+    "{{ 'Functions you may call:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + ((tool['function'] or tool) | tojson(separators=(',', ':'))) }}{% endfor %}"
+    "{{ '\\n</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": {...}}\\n</tool_call>'"
+    " + eos_token + '\\n' }}"
+    "{% endif %}"
+)
+_TOOL_CALLS = (
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+)
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
+    "{% set ns = namespace(first=0) %}"
+    + _TOOLS_BLOCK
+    + "{% for message in messages[ns.first:] %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    + _TOOL_CALLS
+    + "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
