@@ -106,6 +106,11 @@ def test_chat_without_tools_renders_as_the_plain_template_did(demo_llm, conversa
                                     chat_template=PLAIN_TEMPLATE)
 
 
+def test_the_test_checkpoints_keep_the_plain_template():
+    assert demo.PLAIN_CHAT_TEMPLATE == PLAIN_TEMPLATE
+    assert demo.build_tokenizer().chat_template == PLAIN_TEMPLATE
+
+
 def test_chat_template_renders_tools_hermes_style(demo_llm):
     """Tools join the system turn inside <tools>; the assistant's calls are <tool_call> JSON that
     the hermes parser reads back; a tool's result is a <tool_response> user turn."""
