@@ -78,6 +78,70 @@ def test_tokenizer_keeps_the_demo_special_tokens_and_chat_template(demo_llm):
     assert len(shipped.encode(code)) * 2 < len(test_tokenizer.encode(code)), "trained on code: compact"
 
 
+# The demo chat template before tools were added, verbatim: chats without tools must render
+# exactly as it did, so prompts (and results recorded with them) stay the same.
+PLAIN_TEMPLATE = ("{% for message in messages %}"
+                  "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+                  "{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+CONVERSATIONS = [
+    [{"role": "user", "content": "Say hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": ""}],
+    [{"role": "developer", "content": "Answer in code."}, {"role": "user", "content": "def f():\n"}],
+]
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Forecast",
+                                                 "parameters": {"type": "object",
+                                                                "properties": {"city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", CONVERSATIONS)
+def test_chat_without_tools_renders_as_the_plain_template_did(demo_llm, conversation, generation_prompt):
+    tok = demo_llm.get_tokenizer()
+    for tools in (None, []):
+        assert tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt,
+                                       tools=tools) == \
+            tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt,
+                                    chat_template=PLAIN_TEMPLATE)
+
+
+def test_the_test_checkpoints_keep_the_plain_template():
+    assert demo.PLAIN_CHAT_TEMPLATE == PLAIN_TEMPLATE
+    assert demo.build_tokenizer().chat_template == PLAIN_TEMPLATE
+
+
+def test_chat_template_renders_tools_hermes_style(demo_llm):
+    """Tools join the system turn inside <tools>; the assistant's calls are <tool_call> JSON that
+    the hermes parser reads back; a tool's result is a <tool_response> user turn."""
+    from vgraph.engine.inputs import template_supports_tools
+    from vgraph.server.tool_parsers import get_parser
+
+    tok = demo_llm.get_tokenizer()
+    assert template_supports_tools(tok.chat_template)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}},
+             {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = tok.apply_chat_template(chat, tools=[WEATHER_TOOL], tokenize=False, add_generation_prompt=True)
+    system, user, assistant, tool, prompt = text.split("</s>\n")
+    assert system.startswith("<|system|>\nBe brief.\n\n") and text.count("<|system|>") == 1
+    assert "<tools>\n" + json.dumps(WEATHER_TOOL["function"], separators=(",", ":")) + "\n</tools>" in system
+    assert user == "<|user|>\nWeather?" and prompt == "<|assistant|>\n"
+    content, parsed = get_parser("hermes").parse(assistant.removeprefix("<|assistant|>\n"))
+    assert not (content or "").strip()
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [("get_weather", {"city": "Oslo"}),
+                                                                    ("get_weather", {"city": "Lima"})]
+    assert tool == "<|user|>\n<tool_response>\nsunny\n</tool_response>"
+    assert demo_llm.encode_chat(chat, tools=[WEATHER_TOOL]) == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_template_that_never_reads_tools_refuses_them(demo_llm):
+    with pytest.raises(ValueError, match="never reads 'tools'"):
+        demo_llm.encode_chat(CONVERSATIONS[0], chat_template=PLAIN_TEMPLATE, tools=[WEATHER_TOOL])
+
+
 def test_engine_loads_the_demo_model_in_float32_by_default(demo_llm):
     assert demo_llm.engine.config.model.model == str(demo.DEMO_MODEL_DIR)
     assert demo_llm.engine.runner.model.dtype == torch.float32

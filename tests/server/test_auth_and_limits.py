@@ -101,6 +101,17 @@ def test_the_chat_template_flag_replaces_the_tokenizers(guarded):
     assert out.usage.prompt_tokens == len(tokens)
 
 
+def test_tools_with_a_template_that_never_reads_them_are_a_400(guarded):
+    """The demo model's own template supports tools; this server's --chat-template does not."""
+    body = {"model": "guarded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}
+    r = guarded.post("/v1/chat/completions", body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and error["code"] == "tools_unsupported"
+    assert "does not support tools" in error["message"]
+
+
 def test_a_full_queue_answers_503_with_retry_after(guarded):
     headers = {"Authorization": f"Bearer {KEY}"}
     body = {"model": "guarded", "prompt": "Long story", "max_tokens": 400, "ignore_eos": True, "stream": True}

@@ -69,8 +69,6 @@ CHAT_CASES = [
     ({"max_completion_tokens": 600}, 400, "max_completion_tokens", "in the messages, 600 in the completion). Please "
      "reduce the length of the messages or completion."),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice", "--tool-call-parser"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}, 400, "tools",
-     "does not support tools"),
     ({"response_format": {"type": "xml"}}, 400, "response_format", "json_object or json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format",
      "needs a 'schema'"),

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vgraph.server.tool_parsers import ToolCall, get_parser
-from vgraph.server.tools import NamedCall, RequiredCalls, required_schema, FunctionTool
+from vgraph.server.tools import MAX_PARALLEL_CALLS, FunctionTool, NamedCall, RequiredCalls, required_schema
 
 HERMES_TWO = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
               '"days": [1, {"x": "}]{"}]}}\n</tool_call>\n<tool_call>{"arguments": {"q": "a\\"b"}, '
@@ -144,4 +144,4 @@ def test_required_schema_shape():
     schema = required_schema(tools, parallel=False)
     assert schema["maxItems"] == 1 and schema["minItems"] == 1
     assert [c["properties"]["name"]["const"] for c in schema["items"]["anyOf"]] == ["f", "g"]
-    assert "maxItems" not in required_schema(tools, parallel=True)
+    assert required_schema(tools, parallel=True)["maxItems"] == MAX_PARALLEL_CALLS > 1

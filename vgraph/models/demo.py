@@ -5,8 +5,9 @@ source by examples/train_demo_model.py; its files ship inside the package (``dem
 next to this module), so it runs with nothing downloaded or built. The test checkpoints are
 written by transformers' own model classes (so transformers can serve as the numerical oracle
 on exactly the same files) with random weights and a small byte-level BPE tokenizer trained
-here on an embedded English corpus. Both tokenizers share the special tokens and the chat
-template. Everything is deterministic for a given seed, so files built twice are identical
+here on an embedded English corpus. Both tokenizers share the special tokens; the demo
+model's chat template adds tool support to the test tokenizer's plain one (see
+``PLAIN_CHAT_TEMPLATE``). Everything is deterministic for a given seed, so files built twice are identical
 and caches keyed on them stay valid.
 """
 from __future__ import annotations
@@ -28,10 +29,55 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD) + ROLE_TOKENS  # ids 0..5, in this order
 
-# Role header, message, eos; the generation prompt opens an assistant turn.
-CHAT_TEMPLATE = (
+# Role header, message, eos; the generation prompt opens an assistant turn. The tiny test
+# checkpoints keep this plain template: they stand for models whose template has no tool
+# support (the refusal is tested on them; tool tests use tests/checkpoints.py's own tool
+# template), and their files, which caches are keyed on, stay as they were.
+PLAIN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+# The demo model's template: the plain one plus tools, hermes style (which
+# ``--tool-call-parser hermes`` reads back): with ``tools``, one system turn first lists each
+# function as a line of compact JSON inside <tools></tools> (after the conversation's own
+# system message, which it absorbs; compact because the demo model's context is 512 tokens);
+# an assistant's calls are <tool_call> JSON blocks; a tool's result is a user turn wrapped in
+# <tool_response>. A chat with no tools and no tool messages renders exactly as the plain
+# template did (tests hold it to that), so recorded results stay valid.
+_TOOLS_BLOCK = (
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% set ns.first = 1 %}"
+    "{% endif %}"
+    "{{ 'Functions you may call:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + ((tool['function'] or tool) | tojson(separators=(',', ':'))) }}{% endfor %}"
+    "{{ '\\n</tools>\\nTo call one, write <tool_call>\\n{\"name\": <name>, \"arguments\": {...}}\\n</tool_call>'"
+    " + eos_token + '\\n' }}"
+    "{% endif %}"
+)
+_TOOL_CALLS = (
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+)
+CHAT_TEMPLATE = (
+    "{% set ns = namespace(first=0) %}"
+    + _TOOLS_BLOCK
+    + "{% for message in messages[ns.first:] %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    + _TOOL_CALLS
+    + "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|>\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token + '\\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
@@ -97,16 +143,16 @@ def train_tokenizer_json(texts: Iterable[str], vocab_size: int) -> str:
     return tok.to_str()
 
 
-def tokenizer_from_json(tokenizer_json: str) -> Any:
+def tokenizer_from_json(tokenizer_json: str, chat_template: str = CHAT_TEMPLATE) -> Any:
     """A PreTrainedTokenizerFast over ``tokenizer_json`` with bos/eos/pad, the role tokens and
-    the chat template."""
+    ``chat_template`` (by default the demo model's, which examples/train_demo_model.py ships)."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(tokenizer_json), bos_token=BOS, eos_token=EOS,
         pad_token=PAD, additional_special_tokens=list(ROLE_TOKENS),
-        chat_template=CHAT_TEMPLATE, model_max_length=4096)
+        chat_template=chat_template, model_max_length=4096)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,8 +162,9 @@ def _tokenizer_json() -> str:
 
 
 def build_tokenizer() -> Any:
-    """The tiny test checkpoints' tokenizer (512 tokens, trained on the embedded corpus)."""
-    return tokenizer_from_json(_tokenizer_json())
+    """The tiny test checkpoints' tokenizer (512 tokens, trained on the embedded corpus), with
+    the plain chat template."""
+    return tokenizer_from_json(_tokenizer_json(), PLAIN_CHAT_TEMPLATE)
 
 
 def _rope_kwargs(rope: dict[str, Any]) -> dict[str, Any]:
