@@ -96,10 +96,6 @@ class OnFirstUse:
             self._session = self._make()
         return self._session
 
-    @property
-    def made(self) -> Optional[CompileSession]:
-        return self._session
-
 
 class _Rung(abc.ABC):
     """What every rung does the same way: a ``Declined`` inside ``_load`` becomes ``reason``."""
@@ -139,17 +135,37 @@ class RunnablesLoader(_Rung):
         return self._cache
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Forward:
+        start = time.perf_counter()
+        cache, record = self._record(self._warm_key())
+        hashes = [r.piece_hash for r in record["pieces"].values()]
+        try:
+            loaded = {h: runnables.load_runnable(cache.folder, h, "dynamic") for h in set(hashes)}
+        except Exception as exc:  # missing, damaged, or made by another build: the next rung repairs it
+            raise Declined(f"the compile cache entry's runnables are not usable ({type(exc).__name__}: "
+                           f"{exc})") from exc
+        captured.install_pieces(record["split"], record["pieces"], lambda piece_hash, size: loaded[piece_hash][0])
+        self.counters.record_load(record["split"], hashes, {h: m for h, (_, m) in loaded.items()},
+                                  time.perf_counter() - start)
+        self.counters.runnable_loads = len(loaded)
+        cache.touch()
+        self._cache = cache
+        return captured.DirectForward(record["split"], record["sources"], self.model)
+
+    def _warm_key(self) -> str:
         problem = unsupported_torch("runnables") or warm_start.fast_path_problem(self.config, self.device)
         if problem:
             raise Declined(problem)
         key = warm_start.warm_key(self.config, self.hf_config, self.model, self.device)
         if key is None:
             raise Declined("vgraph's pass package is not plain files, so its identity is unknown")
+        return key
+
+    def _record(self, key: str) -> tuple[CompileCache, dict]:
+        """The entry the warm index names and its captured graph, checked against the model."""
         root = cache_dir()
         index = warm_start.read_index(root, key)
         if index is None:
             raise Declined("no start has saved runnables for this configuration yet")
-        start = time.perf_counter()
         fingerprint = captured.source_fingerprint(self.model)
         if index["source_fingerprint"] != fingerprint:
             raise Declined("the model's code changed since its runnables were saved")
@@ -161,18 +177,7 @@ class RunnablesLoader(_Rung):
         problem = captured.record_problem(record, self.model, path.parent, cache.config_key)
         if problem is not None:
             raise Declined(f"the captured graph does not fit the model as built now ({problem})")
-        hashes = [r.piece_hash for r in record["pieces"].values()]
-        try:
-            loaded = {h: runnables.load_runnable(cache.folder, h, "dynamic") for h in set(hashes)}
-        except Exception as exc:  # missing, damaged, or made by another build: the next rung repairs it
-            raise Declined(f"the compile cache entry's runnables are not usable ({type(exc).__name__}: {exc})")
-        captured.install_pieces(record["split"], record["pieces"], lambda piece_hash, size: loaded[piece_hash][0])
-        self.counters.record_load(record["split"], hashes, {h: m for h, (_, m) in loaded.items()},
-                                  time.perf_counter() - start)
-        self.counters.runnable_loads = len(loaded)
-        cache.touch()
-        self._cache = cache
-        return captured.DirectForward(record["split"], record["sources"], self.model)
+        return cache, record
 
     def blames_cache(self, before: CompileCounters) -> bool:
         return True
@@ -229,16 +234,7 @@ class CapturedGraphLoader(_SessionRung):
         s = self._reading()
         s.store.forget_misses()  # a retry after waiting for the compile lock looks again
         start = time.perf_counter()
-        path = s.cache.find_captured(s.writer.source_fingerprint(self.model))
-        record = captured.load_record(path) if path is not None else None
-        if record is None:
-            raise Declined("no captured graph for this configuration and model code")
-        problem = captured.record_problem(record, self.model, path.parent, s.cache.config_key)
-        if problem is not None:
-            s.counters.cache_errors += 1
-            logger.warning("captured graph %s does not fit the model as built now (%s); tracing and "
-                           "compiling again", path, problem)
-            raise Declined("the captured graph does not fit the model as built now")
+        record = self._record(s)
         from torch._inductor import config as inductor_config  # imported with the session already
         self._settings = WarmLoadSettings(s.cache.root)
         with inductor_config.patch(self._settings.patches()):
@@ -252,6 +248,20 @@ class CapturedGraphLoader(_SessionRung):
         s.counters.record_load(record["split"], hashes, matches, time.perf_counter() - start)
         s.cache.touch()
         return captured.DirectForward(record["split"], record["sources"], self.model)
+
+    def _record(self, s: CompileSession) -> dict:
+        """This configuration's captured graph for the model's code, checked against the model."""
+        path = s.cache.find_captured(s.writer.source_fingerprint(self.model))
+        record = captured.load_record(path) if path is not None else None
+        if record is None:
+            raise Declined("no captured graph for this configuration and model code")
+        problem = captured.record_problem(record, self.model, path.parent, s.cache.config_key)
+        if problem is not None:
+            s.counters.cache_errors += 1
+            logger.warning("captured graph %s does not fit the model as built now (%s); tracing and "
+                           "compiling again", path, problem)
+            raise Declined("the captured graph does not fit the model as built now")
+        return record
 
     def settle(self, forward: Forward, input_ids: torch.Tensor, positions: torch.Tensor,
                out: torch.Tensor) -> Forward:
