@@ -108,6 +108,8 @@ def test_compile_then_generate_loads_from_the_cache(tmp_path):
                                         "--kv-cache-gib", "0.01", env=env)
     assert generated.returncode == 0, generated.stderr
     assert "captured graph: saved" in compiled.stdout and "runnables:      3 saved" in compiled.stdout
+    assert "served by:      the full compile rung" in compiled.stdout
+    assert "compile ladder: served by the runnables rung" in generated.stderr
     assert "Dynamo and Inductor not imported" in generated.stderr, "a fresh process loads runnables, traces nothing"
     assert "s after process start" in generated.stderr and "(loaded from the compile cache)" in generated.stderr
     assert modules and "vgraph.engine.llm_engine" in modules

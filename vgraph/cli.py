@@ -327,6 +327,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     print(f"inductor:       {c.inductor_compilations} compilations in {c.inductor_seconds:.2f} s")
     print(f"cache loads:    {c.cache_loads} in {c.cache_load_seconds:.2f} s; saves: {c.cache_saves}")
     print(f"captured graph: {_captured_status(c.captured_graph)}")
+    print(f"served by:      the {c.rung} rung of the compile ladder")
     print(f"runnables:      {_runnable_status(c)}")
     print("pass matches:   " + (", ".join(f"{k}={v}" for k, v in c.pass_matches.items()) or "none"))
     print(f"cache folder:   {', '.join(map(str, folders))}")

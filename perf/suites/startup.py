@@ -56,6 +56,7 @@ _LOADED_CAPTURED = re.compile(
 _READY = re.compile(r"engine ready in ([\d.]+) s")
 _CONFIG_TOKENIZER = re.compile(r"startup: .*config \+ tokenizer ([\d.]+) s")
 _MATCHES = re.compile(r"pass matches: (.*)$")
+_RUNG = re.compile(r"compile ladder: served by the (.+) rung")  # vgraph/compiler/ladder.py
 
 
 def child_command(model: Optional[str], device: str, eager: bool) -> list[str]:
@@ -109,6 +110,8 @@ def parse_phases(lines: list[tuple[float, str]], exit_s: float) -> dict:
                         "captured_graph_loaded": True, "runnables": kind == "runnables", "compiled_at_s": at})
         elif (m := _MATCHES.search(text)):
             out["pass_matches"] = m.group(1)
+        elif (m := _RUNG.search(text)):
+            out["rung"] = m.group(1)  # which loader of the compile ladder served
         elif (m := _CONFIG_TOKENIZER.search(text)):
             out["config_tokenizer_s"] = float(m.group(1))  # transformers' import, config, tokenizer
         elif (m := _READY.search(text)):
@@ -169,7 +172,8 @@ def _rounds(tmp: str, model: str, device: str, rounds: int, threads: Optional[in
             samples[name].append(s)
             print(f"  threads {threads or 'default'} round {r} {name:<17} first token {s['first_token_at_s']:6.2f} s  "
                   f"(compile {s.get('compile_s', 0):.2f} s: Dynamo {s.get('dynamo_s', 0):.2f}, "
-                  f"Inductor {s.get('inductor_s', 0):.2f}, cache load {s.get('cache_load_s', 0):.2f})",
+                  f"Inductor {s.get('inductor_s', 0):.2f}, cache load {s.get('cache_load_s', 0):.2f})"
+                  + (f" [{s['rung']}]" if "rung" in s else ""),
                   flush=True)
         shutil.rmtree(fresh_inductor, ignore_errors=True)
     return samples

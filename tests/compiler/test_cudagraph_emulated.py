@@ -26,7 +26,7 @@ from vgraph.compiler import piecewise_graphs
 from vgraph.compiler.capture_safety import CaptureRegion, CaptureSafetyError
 from vgraph.config import CompileConfig, CudaGraphMode
 from vgraph.core.scheduler import SchedulerOutput
-from vgraph.worker.cuda_graphs import FullGraphs
+from vgraph.worker.cuda_graphs import FullGraphs, capture_buffer_bytes
 from vgraph.worker.dispatch import Decision, Path
 from vgraph.worker.dummy import DummySource
 
@@ -150,6 +150,32 @@ def test_the_gpu_replay_test_runs_on_its_path_and_replays(gpu_configured, kind, 
     path it asserts (a 45-token mixed batch once fell past its largest bucket, 40)."""
     replay_equals_eager(gpu_configured[0], gpu_prompts(), kind, new_prompt=GPU_NEW_PROMPT, tol=1e-5,
                         expected_bucket=bucket)
+
+
+def _captured_buffer_bytes(runner) -> int:
+    """What the capture keeps allocated outside the graph pool: each distinct storage of the
+    staged inputs, the piece outputs, the attention outputs and the FULL graphs' buffers."""
+    graphs, storages = runner.graphs, {}
+    tensors = list(graphs.decode_buffers.tensors()) + [graphs.full_graphs.hidden]
+    tensors += list(graphs.piecewise_graphs._attention_outputs._shared.values())
+    for _, pieces in graphs.piecewise_graphs._pieces.values():
+        for entry in pieces.graphs.values():
+            tensors += [entry.inputs[i] for i in entry.copied] + list(entry.outputs)
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def test_the_buffer_estimate_is_within_15_percent_of_what_capture_allocates(emulated):
+    """The part of the CUDA-graph memory estimate the emulation can measure: the persistent
+    buffers (the pool's activations and the graphs' own memory need a GPU)."""
+    llm, _ = emulated
+    runner = llm.engine.runner
+    estimate = capture_buffer_bytes(runner.model, runner.graphs.buckets, CudaGraphMode.FULL_AND_PIECEWISE,
+                                    llm.engine.max_model_len, runner.spec.block_size)
+    measured = _captured_buffer_bytes(runner)
+    assert abs(estimate - measured) <= 0.15 * measured, (estimate, measured)
 
 
 def test_pieces_read_each_layers_attention_output_in_place(emulated, prompts):

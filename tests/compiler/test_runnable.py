@@ -24,7 +24,7 @@ from tests.compiler.tiny_engine import ENGINE, PROMPTS, cold_start, piece_runner
 from tests.compiler.tiny_engine import engine as _engine
 from tests.compiler.tiny_engine import tokens as _tokens
 from vgraph.compiler import runnable as runnables
-from vgraph.compiler import warm_start
+from vgraph.compiler import torch_range, warm_start
 from vgraph.config import CompileConfig, EngineConfig, ModelConfig
 
 
@@ -53,6 +53,7 @@ def test_cold_start_saves_checked_runnables_and_the_warm_index(cold):
     assert next(root.glob("compile/*")).name.startswith(index["config_key"])
     assert cold["pieces"] and all(isinstance(p, runnables.Runnable) for p in cold["pieces"]), \
         "the cold start serves with the code warm starts will run"
+    assert cold["counters"].rung == "full compile"
 
 
 def test_warm_start_imports_neither_inductor_nor_dynamo_nor_triton_and_gives_the_same_tokens(cold, tmp_path):
@@ -94,6 +95,22 @@ def test_warm_start_in_process_reports_runnables(cold, tmp_path, monkeypatch):
     assert c.captured_graph == "loaded" and c.runnable_loads == cold["counters"].unique_piece_graphs
     assert c.graphs_seen == 0 and c.inductor_compilations == 0 and c.cache_loads == 0
     assert c.pass_matches == cold["counters"].pass_matches
+    assert c.rung == "runnables"
+    assert _tokens(llm) == cold["tokens"]
+
+
+def test_a_torch_outside_the_checked_range_is_served_by_the_captured_graph(cold, tmp_path, monkeypatch, caplog):
+    """Torch-version safety: the runnables read Inductor internals, so they decline (one log
+    line) on a torch they were not checked on; the next rung loads through Inductor."""
+    _copy(cold, tmp_path, monkeypatch)
+    monkeypatch.setattr(torch_range, "running_torch", lambda: "2.99.0")
+    with caplog.at_level(logging.INFO, logger="vgraph"):
+        llm = _engine()
+    declined = [r.getMessage() for r in caplog.records if "runnables rung declined" in r.getMessage()]
+    assert len(declined) == 1 and "2.99.0" in declined[0]
+    c = llm.engine.runner.compile_counters
+    assert c.rung == "captured graph" and c.runnable_loads == 0 and c.inductor_compilations == 0
+    assert "served by the captured graph rung" in caplog.text
     assert _tokens(llm) == cold["tokens"]
 
 
@@ -173,6 +190,7 @@ def test_a_runnable_failing_on_its_first_call_falls_back_to_inductor(cold, tmp_p
     assert "runnables failed" in caplog.text and "simulated kernel failure" in caplog.text
     c = llm.engine.runner.compile_counters
     assert c.runnable_loads == 0 and c.captured_graph == "loaded" and c.cache_loads > 0
+    assert c.rung == "captured graph"
     assert _tokens(llm) == cold["tokens"]
 
 

@@ -37,5 +37,5 @@ def cold_start(tmp_path_factory: Any, name: str) -> tuple[LLM, Path]:
 
 def piece_runners(llm: LLM) -> list[PieceRunner]:
     """The compiled pieces of the engine's forward, in the split's order."""
-    split = llm.engine.runner.graphs.forward_fn._direct.split
+    split = llm.engine.runner.graphs.forward_fn.forward.split
     return [m for m in split.children() if isinstance(m, PieceRunner)]

@@ -75,17 +75,20 @@ def _model(num_layers: int = 2) -> SimpleNamespace:
                            head_dim=16, hidden_size=64)
 
 
-def test_piecewise_buffers_count_three_q_three_kv_and_hidden_per_token_per_piece():
-    """Per piece and token: the fused qkv (q + 2kv, kept whole because v leaves its piece as a
+def test_piecewise_buffers_count_three_q_three_kv_and_hidden_per_token_per_layer():
+    """Per layer and token: the fused qkv (q + 2kv, kept whole because v leaves its piece as a
     strided view of it), q and k after rotary (q + kv), the staged attention output (q) and
-    the residual (hidden): 3q + 3kv + hidden elements; the old estimate had 2q + 2kv + hidden."""
-    tokens, pieces = 32, 3  # L + 1 pieces
-    q, kv, hidden, elt = 4 * 16, 2 * 16, 64, 2
-    estimate = estimate_capture_bytes(0.0, _model(), Buckets((), (8, tokens)), CudaGraphMode.PIECEWISE,
+    the residual (hidden): 3q + 3kv + hidden elements (the old estimate had 2q + 2kv +
+    hidden); then the last piece's hidden output, the rotary cos and sin (head_dim) and the
+    staged input ids and positions (two int64). An earlier estimate counted the 3q + 3kv +
+    hidden for the last piece too, which has only its hidden output."""
+    tokens, layers = 32, 2
+    q, kv, hidden, head_dim, elt = 4 * 16, 2 * 16, 64, 16, 2
+    estimate = estimate_capture_bytes(0.0, _model(layers), Buckets((), (8, tokens)), CudaGraphMode.PIECEWISE,
                                       max_model_len=64, block_size=16)
-    buffers = pieces * tokens * elt * (3 * q + 3 * kv + hidden)
-    assert estimate == buffers + 2 * pieces * PIECE_GRAPH_BYTES
-    assert buffers == 67584
+    buffers = tokens * (elt * (layers * (3 * q + 3 * kv + hidden) + hidden + head_dim) + 16)
+    assert estimate == buffers + 2 * (layers + 1) * PIECE_GRAPH_BYTES
+    assert buffers == 50688
 
 
 def test_capture_estimate_adds_the_pool_at_the_largest_bucket():

@@ -1,5 +1,8 @@
 """vgraph's Dynamo backend: split at the splitting ops, compile each piece with Inductor
-(vgraph's passes as the post-grad custom pass), cache the artifacts."""
+(vgraph's passes as the post-grad custom pass). It only compiles: a piece the start already
+holds comes from the artifact store (artifact_store.py), and what it compiled goes to the
+cache writer (cache_writer.py); the ladder (build.py) decides whether the store reads the
+compile cache at all."""
 from __future__ import annotations
 
 import contextlib
@@ -19,12 +22,12 @@ from tqdm.auto import tqdm
 
 from ..config import CompileConfig
 from . import captured_graph as captured
-from . import warm_start
+from .artifact_store import ArtifactStore
 from .cache import CompileCache
-from .counters import CompileCounters
+from .cache_writer import CacheWriter
+from .counters import CompileCounters, pass_totals
 from .piece import PieceRunner, TokenDim, find_row_args, find_token_dim
 from .split import count_collectives, split_graph
-from .warm_load import WarmLoadSettings
 
 logger = logging.getLogger("vgraph")
 
@@ -95,8 +98,8 @@ class VgraphBackend:
         self.post_grad_pass = post_grad_pass
         self.cache = cache
         self.counters = counters or CompileCounters()
-        self._artifacts: dict[tuple[str, str], Callable] = {}
-        self._not_on_disk: set[tuple[str, str]] = set()
+        self.store = ArtifactStore(cache, self.counters, _not_reading(config))
+        self.writer = CacheWriter(cache, self.counters, config.use_cache)
         self._graph_matches: dict[str, dict[str, int]] = {}  # piece hash -> pass -> matches
         #: Compiled piece -> its structural hash, in the split's order (identical layers share a hash).
         self.piece_hashes: dict[str, str] = {}
@@ -105,26 +108,12 @@ class VgraphBackend:
         # Set by the caller before tracing: the model and the call's tensors, to bind graph inputs.
         self.capture_context: Optional[tuple[torch.nn.Module, dict[str, torch.Tensor]]] = None
         self.pending_capture: Optional[_PendingCapture] = None
-        self._fingerprint: Optional[str] = None
-        self._read_disk = config.use_cache and not _dumping(config)  # off after a cached entry failed too
-        #: The warm load's Inductor shortcuts (warm_load.py); None until a load looked for them.
-        self.warm_settings: Optional[WarmLoadSettings] = None
-
-    def forget_misses(self) -> None:
-        """Another process filled the cache meanwhile: look on disk again for what was missing."""
-        self._not_on_disk.clear()
-
-    def stop_reading_disk(self) -> None:
-        """After a cached entry failed to load or run: forget what was loaded and compile every
-        piece from here on (saves still overwrite the entry's files, which repairs it)."""
-        self._read_disk = False
-        self._artifacts.clear()
-        self._not_on_disk.clear()
 
     @property
-    def used_disk(self) -> bool:
-        """Whether anything this backend runs came from the compile cache's files."""
-        return self.counters.cache_loads > 0
+    def pass_matches(self) -> dict[str, dict[str, int]]:
+        """Piece hash -> pass -> matches, for every graph this start compiled or loaded (the
+        counts of loaded ones come from their artifacts' headers)."""
+        return {**self.cache.loaded_matches, **self._graph_matches}
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         if self.dynamo_started is not None:
@@ -180,128 +169,12 @@ class VgraphBackend:
             logger.warning("the captured graph called directly differs from Dynamo's frame; "
                            "keeping Dynamo (warm starts will trace again)")
             return None
-        if self.config.use_cache:
-            self._save_capture(pending, model)
+        self.writer.captured(model, pending.split_bytes, pending.sources, pending.records)
         return direct
-
-    def _save_capture(self, pending: "_PendingCapture", model: torch.nn.Module) -> None:
-        built_for = {"config_key": self.cache.config_key, "graph_hash": self.cache.graph_hash,
-                     "state": captured.state_signature(model, pending.sources)}
-        try:
-            path = self.cache.captured_path(self._source_fingerprint(model))
-            if path is not None:
-                captured.save_record(path, pending.split_bytes, pending.sources, pending.records, built_for)
-                self.counters.captured_graph = "saved"
-        except OSError as exc:
-            logger.warning("could not save the captured graph (%s); warm starts will trace again", exc)
-
-    def load_capture(self, model: torch.nn.Module) -> Optional[captured.DirectForward]:
-        """A warm start's forward without Dynamo: the captured graph and every piece's artifacts
-        from the cache; None when any of it is missing, unreadable or made for another model."""
-        if not self._read_disk:
-            return None
-        start = time.perf_counter()
-        path = self.cache.find_captured(self._source_fingerprint(model))
-        record = captured.load_record(path) if path is not None else None
-        if record is None:
-            return None
-        problem = captured.record_problem(record, model, path.parent, self.cache.config_key)
-        if problem is not None:
-            self.counters.cache_errors += 1
-            logger.warning("captured graph %s does not fit the model as built now (%s); tracing and "
-                           "compiling again", path, problem)
-            return None
-        split = record["split"]
-        self.warm_settings = WarmLoadSettings(self.cache.root)
-        with torch._inductor.config.patch(self.warm_settings.patches()):
-            installed = captured.install_pieces(split, record["pieces"], self._load_artifact)
-        self.warm_settings.check_vec_isa()
-        if not installed:
-            logger.info("captured graph found but some artifacts are missing; tracing with Dynamo")
-            return None
-        hashes = [r.piece_hash for r in record["pieces"].values()]
-        self.piece_hashes = {target: r.piece_hash for target, r in record["pieces"].items()}
-        c = self.counters
-        c.pieces = sum(1 for n in split.graph.nodes if n.op == "call_module")
-        c.compiled_pieces, c.unique_piece_graphs = len(hashes), len(set(hashes))
-        c.captured_graph, c.captured_load_seconds = "loaded", time.perf_counter() - start
-        self._record_pass_matches(hashes)
-        direct = captured.DirectForward(split, record["sources"], model)
-        self.cache.touch()
-        return direct
-
-    def remember_warm_load(self) -> None:
-        """After the first forward worked (loaded or compiled): what the next warm load may
-        skip (warm_load.py). Nothing without a writable cache."""
-        if not self.config.use_cache or not self.cache.writable:
-            return
-        settings = self.warm_settings or WarmLoadSettings(self.cache.root)
-        settings.remember()
-
-    def save_runnables(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                       reference: torch.Tensor) -> Optional[captured.DirectForward]:
-        """After the first forward through Inductor's artifacts worked: each piece saved as a
-        runnable and the warm index written, so the next start takes the fast path
-        (warm_start.py), if the forward built from runnables gives ``reference`` bit for bit.
-        Returns that forward, for this start to serve with the code later starts will run;
-        None (an info line) when there are none: the next start loads through Inductor too."""
-        cache = self.cache
-        if cache.warm_key is None or not cache.writable or reference.device.type != "cpu":
-            return None
-        fingerprint = self._source_fingerprint(model)
-        path = cache.record_path(fingerprint)
-        record = captured.load_record(path) if path is not None else None
-        if record is None:
-            return None
-        matches = {**cache.loaded_matches, **self._graph_matches}
-        try:
-            direct, saved, why = warm_start.save_runnables(record, self._artifacts, matches, cache.folder, model,
-                                                           lambda forward: forward(input_ids, positions), reference)
-        except Exception as exc:  # never costs the start: the next one loads through Inductor
-            direct, saved, why = None, 0, f"{type(exc).__name__}: {exc}"
-        if direct is None:
-            logger.info("no runnables for the fast warm start (%s); warm starts load through Inductor", why)
-            return None
-        self.counters.runnable_saves = saved
-        warm_start.write_index(cache.root, cache.warm_key, cache.config_key, fingerprint)
-        return direct
-
-    def _source_fingerprint(self, model: torch.nn.Module) -> str:
-        """Read once per start: the warm lookup and the cold save both need it."""
-        if self._fingerprint is None:
-            self._fingerprint = captured.source_fingerprint(model)
-        return self._fingerprint
-
-    def _load_artifact(self, piece_hash: str, label: str) -> Optional[Callable]:
-        """One (piece, size) artifact from memory or disk; a missing or unreadable entry is
-        remembered, so the fallback compiles it instead of reading (and warning) again."""
-        key = (piece_hash, label)
-        if key in self._artifacts or key in self._not_on_disk or not self._read_disk:
-            return self._artifacts.get(key)
-        start = time.perf_counter()
-        loaded = self.cache.load(piece_hash, label)
-        self.counters.cache_errors += self.cache.take_errors()
-        if loaded is None:
-            self._not_on_disk.add(key)
-            return None
-        self.counters.cache_loads += 1
-        self.counters.cache_load_seconds += time.perf_counter() - start
-        self._artifacts[key] = loaded
-        return loaded
 
     def _record_pass_matches(self, piece_hashes: list[str]) -> None:
-        """Matches per site in the model: each compiled piece counts the matches of its graph,
-        so identical layers compiled once still count once per layer. Counts of graphs
-        loaded from the cache come from their artifacts' headers (written by the compile that
-        made them, so they are never another version's)."""
-        if self.post_grad_pass is None:
-            return
-        recorded = {**self.cache.loaded_matches, **self._graph_matches}
-        totals: dict[str, int] = {}
-        for piece_hash in piece_hashes:
-            for name, count in recorded.get(piece_hash, {}).items():
-                totals[name] = totals.get(name, 0) + count
-        self.counters.pass_matches = totals
+        if self.post_grad_pass is not None:
+            self.counters.pass_matches = pass_totals(piece_hashes, self.pass_matches)
 
     @staticmethod
     def _fake(arg: Any, fake_mode: Any, real_by_fake: dict) -> Any:
@@ -313,13 +186,10 @@ class VgraphBackend:
 
     def artifact(self, module: torch.fx.GraphModule, args: list, piece_hash: str, size: Optional[int],
                  real_by_fake: dict, symbol: Any, piece: int = 0) -> Optional[Callable]:
-        """The compiled callable for one (piece, size): memory, then disk, then Inductor.
+        """The compiled callable for one (piece, size): the store's, else Inductor's.
         ``piece`` (the index of the first piece with this graph) labels the compile."""
         label = "dynamic" if size is None else str(size)
-        key = (piece_hash, label)
-        if key in self._artifacts:
-            return self._artifacts[key]
-        loaded = self._load_artifact(piece_hash, label)
+        loaded = self.store.get(piece_hash, label)
         if loaded is not None:
             return loaded
         start = time.perf_counter()
@@ -331,10 +201,8 @@ class VgraphBackend:
         if size is None and self.post_grad_pass is not None:
             self._graph_matches[piece_hash] = dict(getattr(self.post_grad_pass, "last_match_counts", {}))
         self.counters.inductor_seconds += time.perf_counter() - start
-        matches = self._graph_matches.get(piece_hash) if size is None else None
-        if self.config.use_cache and self.cache.save(artifact, piece_hash, label, matches):
-            self.counters.cache_saves += 1
-        self._artifacts[key] = artifact
+        self.writer.artifact(artifact, piece_hash, label, self._graph_matches.get(piece_hash) if size is None else None)
+        self.store.keep(piece_hash, label, artifact)
         return artifact
 
     @contextlib.contextmanager
@@ -359,15 +227,17 @@ class VgraphBackend:
                                                   options={"config_patches": patches})
 
 
-def _dumping(config: CompileConfig) -> bool:
-    """Whether graphs are dumped: then nothing is read from the compile cache, because a piece
-    loaded from it runs no pass and dumps nothing (the new artifacts are still saved)."""
+def _not_reading(config: CompileConfig) -> str:
+    """Why the compile cache's artifacts are not read this start, or ''. With graphs dumped,
+    nothing is read, because a piece loaded from the cache runs no pass and dumps nothing (the
+    new artifacts are still saved)."""
+    if not config.use_cache:
+        return "the compile cache is off"
     if not config.dump_graphs_dir:
-        return False
-    if config.use_cache:
-        logger.info("dump_graphs_dir is set: compiling every piece without reading the compile cache, so "
-                    "each graph is dumped to %s (the compiled artifacts are still saved)", config.dump_graphs_dir)
-    return True
+        return ""
+    logger.info("dump_graphs_dir is set: compiling every piece without reading the compile cache, so "
+                "each graph is dumped to %s (the compiled artifacts are still saved)", config.dump_graphs_dir)
+    return "graphs are dumped (dump_graphs_dir), so every piece is compiled"
 
 
 @dataclass

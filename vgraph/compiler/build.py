@@ -1,4 +1,15 @@
-"""Builds the compiled forward for an engine: pass manager, cache key, cache, backend."""
+"""Builds the compiled forward for an engine: the ladder of loaders, and what its rungs share
+(pass manager, cache key, cache, backend).
+
+The ladder, cheapest rung first (loaders.py says what each one reads; ladder.py climbs it on
+the first call, the warm-up, and the startup log names the rung that served):
+
+  runnables -> captured graph -> Inductor artifacts -> full compile
+
+Importing this module imports neither Dynamo nor Inductor: the runnables rung needs neither,
+and the rungs below it build their compile session (``_session``, which imports both) only
+when they are reached.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -11,12 +22,13 @@ import torch
 from ..config import EngineConfig
 from ..distributed.state import tp_group
 from ..paths import cache_dir
-from .backend import VgraphBackend
 from .cache import CompileCache, stable_hash
 from .cache_key import (RANK, WORLD_SIZE, identity_problems, is_user_pass, key_fields, key_summary, model_layout,
                         named_passes, pass_uuids, short_uuid)
-from .compiled_forward import CompiledForward
 from .counters import CompileCounters
+from .ladder import LadderForward
+from .loaders import (ArtifactsLoader, CapturedGraphLoader, CompileSession, FullCompileLoader, OnFirstUse,
+                      RunnablesLoader)
 from .warm_start import warm_key
 
 logger = logging.getLogger("vgraph")
@@ -67,8 +79,21 @@ def _quantization(model: torch.nn.Module, config: EngineConfig) -> Optional[str]
     return "fp8" if any(name.startswith("Fp8") for name in model_layout(model)) else None
 
 
-def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
-                           device: torch.device) -> tuple[CompiledForward, CompileCounters, CompileCache]:
+def build_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
+                  device: torch.device) -> LadderForward:
+    """The compiled forward: the ladder, climbed on its first call."""
+    counters = CompileCounters()
+    session = OnFirstUse(lambda: _session(model, config, hf_config, device, counters))
+    loaders = (RunnablesLoader(model, config, hf_config, device, counters), CapturedGraphLoader(model, session),
+               ArtifactsLoader(session), FullCompileLoader(session))
+    return LadderForward(loaders, counters, lambda: session().cache.compile_lock())
+
+
+def _session(model: torch.nn.Module, config: EngineConfig, hf_config: Any, device: torch.device,
+             counters: CompileCounters) -> CompileSession:
+    """Pass manager, full cache key, cache and backend: imports Dynamo and Inductor."""
+    from .backend import VgraphBackend
+    from .compiled_forward import CompiledForward
     manager = build_pass_manager(config)
     compile_config = _cache_policy(config.compile, manager)
     tp = tp_group()  # each rank compiles its own shard's graph: its own cache entry
@@ -80,9 +105,8 @@ def build_compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_conf
     cache = CompileCache(cache_dir() if compile_config.use_cache else None, key, description,
                          warm_key(config, hf_config, model, device))
     _log_key(key, manager, compile_config.use_cache)
-    counters = CompileCounters()
     backend = VgraphBackend(compile_config, manager, cache, counters)
-    return CompiledForward(model, backend), counters, cache
+    return CompileSession(model, cache, backend, CompiledForward(model, backend))
 
 
 def _cache_policy(compile_config: Any, manager: Optional[Any]) -> Any:

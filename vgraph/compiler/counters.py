@@ -1,9 +1,12 @@
 """Counters the compiler keeps, readable from Python (tests, logs, `vgraph compile`)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 logger = logging.getLogger("vgraph")
 
@@ -30,13 +33,39 @@ class CompileCounters:
     runnable_loads: int = 0
     runnable_saves: int = 0  # pieces saved as runnables after the forward built from them matched
     pass_matches: dict[str, int] = field(default_factory=dict)
+    rung: str = ""  # the rung of the compile ladder that served (loaders.py)
 
     @property
     def recompiles(self) -> int:
         return max(0, self.graphs_seen - 1)
 
+    def rewind(self, to: "CompileCounters") -> None:
+        """Back to an earlier copy: a rung whose forward failed counted nothing."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(to, f.name))
+
+    def record_load(self, split: torch.nn.Module, piece_hashes: list[str], matches: dict[str, dict[str, int]],
+                    seconds: float) -> None:
+        """A captured graph loaded with its pieces: what a warm load reports, as a compile
+        reports it."""
+        self.pieces = sum(1 for n in split.graph.nodes if n.op == "call_module")
+        self.compiled_pieces, self.unique_piece_graphs = len(piece_hashes), len(set(piece_hashes))
+        self.captured_graph, self.captured_load_seconds = "loaded", seconds
+        self.pass_matches = pass_totals(piece_hashes, matches)
+
     def as_dict(self) -> dict:
         return {**asdict(self), "recompiles": self.recompiles}
+
+
+def pass_totals(piece_hashes: list[str], matches: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Matches per site in the model: each compiled piece counts the matches of its graph
+    (``matches``: piece hash -> pass -> count), so identical layers compiled once still count
+    once per layer."""
+    totals: dict[str, int] = {}
+    for piece_hash in piece_hashes:
+        for name, count in matches.get(piece_hash, {}).items():
+            totals[name] = totals.get(name, 0) + count
+    return totals
 
 
 def log_compile_summary(counters: CompileCounters, cache: Any, seconds: float) -> None:

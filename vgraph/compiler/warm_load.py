@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from . import cache_entries
+from .torch_range import unsupported_torch
 
 logger = logging.getLogger("vgraph")
 
@@ -38,7 +39,12 @@ VEC_ISA_FILE = "vec-isa.json"
 
 def _vec_isa_module() -> Optional[Any]:
     """Inductor's vector-ISA module where it has the functions used here, else None (a torch
-    that moved them loads as before, probes included)."""
+    that moved them, or one outside the range this was checked on, loads as before, probes
+    included)."""
+    outside = unsupported_torch("the warm load's vector-ISA shortcut")
+    if outside is not None:
+        logger.info("%s; the warm load probes as usual", outside)
+        return None
     try:
         from torch._inductor import cpu_vec_isa
     except ImportError:

@@ -11,47 +11,49 @@ config key and the source fingerprint of the model code; the fast path reads it,
 captured graph and every piece's runnable, and checks the graph against the model as built.
 
 Not taken, so Inductor's path runs as before: off the CPU, with user passes, static compile
-sizes, graph dumps or the cache off, and whenever anything is missing or unreadable. If the
-forward built here fails on its first call (the warm-up), that is one warning and the engine
-builds the compiled forward the usual way.
+sizes, graph dumps or the cache off, and whenever anything is missing or unreadable. The
+ladder's runnables rung (loaders.py) loads through here; if its forward fails on its first
+call (the warm-up), that is one warning and the next rung loads through Inductor.
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import logging
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..config import COMPILED_MIN_ROWS, EngineConfig
+from ..config import EngineConfig
 from ..distributed.state import tp_group
-from ..paths import cache_dir
 from . import captured_graph as captured
 from . import runnable as runnables
-from .cache import CompileCache, stable_hash
-from .cache_entries import WARM_INDEX_FOLDER, DamagedFile, read_json_record, report_damaged, write_json_atomic
+from .cache import stable_hash
+from .cache_entries import WARM_INDEX_FOLDER, read_json_record, report_damaged, write_json_atomic
 from .cache_key import key_fields, model_layout
-from .counters import CompileCounters
 
 logger = logging.getLogger("vgraph")
 
 
-def check_rows(input_ids: torch.Tensor) -> None:
-    """The compiled forward takes ``COMPILED_MIN_ROWS`` rows or more (config.py says why)."""
-    if input_ids.shape[0] < COMPILED_MIN_ROWS:
-        raise ValueError(f"the compiled forward takes at least {COMPILED_MIN_ROWS} rows, got "
-                         f"{input_ids.shape[0]}: pad the batch (the runner's batch builder does)")
-
-
 # ---------------------------------------------------------------------------- the warm key and index
 
-def warm_key(config: EngineConfig, hf_config: Any, model: torch.nn.Module, device: torch.device) -> Optional[str]:
-    """The key the fast path finds its entry by, or None where there is no fast path."""
+def fast_path_problem(config: EngineConfig, device: torch.device) -> Optional[str]:
+    """Why a warm start of this configuration cannot take the fast path, or None."""
     c = config.compile
-    if device.type != "cpu" or not c.compiled or not c.use_cache or c.dump_graphs_dir or c.passes or c.compile_sizes:
+    problems = ((device.type != "cpu", f"runnables are made for the CPU only, not {device.type}"),
+                (not c.compiled, "the model is not compiled"), (not c.use_cache, "the compile cache is off"),
+                (bool(c.dump_graphs_dir), "graphs are dumped (dump_graphs_dir)"),
+                (bool(c.passes), "user passes are set (their identity needs Inductor)"),
+                (bool(c.compile_sizes), "static compile sizes are set"))
+    return next((why for found, why in problems if found), None)
+
+
+def warm_key(config: EngineConfig, hf_config: Any, model: torch.nn.Module, device: torch.device) -> Optional[str]:
+    """The key the fast path finds its entry by, or None where there is no fast path (then
+    ``fast_path_problem`` says why, or vgraph's pass package is not plain files)."""
+    c = config.compile
+    if fast_path_problem(config, device) is not None:
         return None
     passes = _pass_package_digest() if c.enable_fusion else "off"
     if passes is None:
@@ -93,7 +95,7 @@ def write_index(root: Path, key: str, config_key: str, fingerprint: str) -> None
         logger.debug("could not write the warm-start index (%s)", exc)
 
 
-def _read_index(root: Path, key: str) -> Optional[dict]:
+def read_index(root: Path, key: str) -> Optional[dict]:
     """The index, or None: quietly when it is missing (no start has checked runnables for this
     key), with one warning when it is damaged (Inductor's path writes it again)."""
     repair = "loading through Inductor, which writes it again"
@@ -134,93 +136,3 @@ def save_runnables(record: dict, artifacts: dict[tuple[str, str], Any], matches:
     for piece_hash, (parts, staged, _) in made.items():
         runnables.save_runnable(folder, piece_hash, "dynamic", parts, staged, matches.get(piece_hash, {}))
     return direct, len(made), ""
-
-
-# ---------------------------------------------------------------------------- loading (the fast path)
-
-def load_warm_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any,
-                      device: torch.device) -> Optional["WarmForward"]:
-    """The compiled forward from runnables, or None where the fast path does not apply or its
-    files are not all there (then the caller builds the compiled forward as usual)."""
-    key = warm_key(config, hf_config, model, device)
-    root = cache_dir() if key is not None else None
-    index = _read_index(root, key) if root is not None else None
-    if index is None:
-        return None
-    start = time.perf_counter()
-    fingerprint = captured.source_fingerprint(model)
-    if index["source_fingerprint"] != fingerprint:
-        return None
-    cache = CompileCache(root, index["config_key"], warm_key=key)
-    path = cache.find_captured(fingerprint)
-    record = captured.load_record(path) if path is not None else None
-    if record is None or captured.record_problem(record, model, path.parent, cache.config_key) is not None:
-        return None
-    try:
-        loaded = {h: runnables.load_runnable(cache.folder, h, "dynamic") for h in _hashes(record)}
-    except DamagedFile as exc:  # truncated or flipped bytes: a warning, Inductor's path rewrites it
-        report_damaged(exc.path, str(exc), "loading the entry through Inductor, which saves it again")
-        return None
-    except Exception as exc:  # missing, or made by another build: Inductor's path repairs it
-        logger.info("the compile cache entry's runnables are not usable (%s: %s); loading it through Inductor",
-                    type(exc).__name__, exc)
-        return None
-    captured.install_pieces(record["split"], record["pieces"], lambda piece_hash, size: loaded[piece_hash][0])
-    counters = _loaded_counters(record, {h: m for h, (_, m) in loaded.items()}, time.perf_counter() - start)
-    cache.touch()
-    direct = captured.DirectForward(record["split"], record["sources"], model)
-    return WarmForward(direct, counters, cache, lambda: _compiled_forward(model, config, hf_config, device))
-
-
-def _hashes(record: dict) -> set[str]:
-    return {r.piece_hash for r in record["pieces"].values()}
-
-
-def _loaded_counters(record: dict, matches: dict[str, dict[str, int]], seconds: float) -> CompileCounters:
-    """What a warm load reports, as Inductor's path reports it; matches count once per piece."""
-    split, hashes = record["split"], [r.piece_hash for r in record["pieces"].values()]
-    totals: dict[str, int] = {}
-    for piece_hash in hashes:
-        for name, count in matches.get(piece_hash, {}).items():
-            totals[name] = totals.get(name, 0) + count
-    return CompileCounters(pieces=sum(1 for n in split.graph.nodes if n.op == "call_module"),
-                           compiled_pieces=len(hashes), unique_piece_graphs=len(set(hashes)),
-                           captured_graph="loaded", captured_load_seconds=seconds,
-                           runnable_loads=len(set(hashes)), pass_matches=totals)
-
-
-def _compiled_forward(model: torch.nn.Module, config: EngineConfig, hf_config: Any, device: torch.device) -> Any:
-    from .build import build_compiled_forward
-    return build_compiled_forward(model, config, hf_config, device)[0]
-
-
-class WarmForward:
-    """Callable like ``CompiledForward``: the captured graph over runnables. If its first call
-    fails, one warning, and from then on the compiled forward built the usual way (whose
-    ``counters`` and ``cache`` then replace these)."""
-
-    def __init__(self, direct: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], counters: CompileCounters,
-                 cache: CompileCache, rebuild: Callable[[], Any]) -> None:
-        self.counters = counters
-        self.cache = cache
-        self._direct = direct
-        self._rebuild = rebuild
-        self._fallback: Optional[Callable] = None
-        self._proven = False  # a call succeeded: no more checks on the hot path
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        check_rows(input_ids)
-        if self._proven:
-            return self._direct(input_ids, positions)
-        if self._fallback is not None:
-            return self._fallback(input_ids, positions)
-        try:
-            out = self._direct(input_ids, positions)
-        except Exception as exc:
-            logger.warning("the compile cache's runnables failed (%s: %s); loading the compiled model through "
-                           "Inductor instead", type(exc).__name__, exc)
-            self._fallback = self._rebuild()
-            self.counters, self.cache = self._fallback.counters, self._fallback.cache
-            return self._fallback(input_ids, positions)
-        self._proven = True
-        return out

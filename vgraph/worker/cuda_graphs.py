@@ -306,28 +306,40 @@ def _free_bytes(device: torch.device) -> int:
 
 def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Module, buckets: Buckets,
                            mode: CudaGraphMode, max_model_len: int, block_size: int) -> int:
-    """Device memory CUDA graph capture will take:
-
-    - the shared pool: one forward's activations at the largest captured size;
-    - PIECEWISE buffers: per compiled piece (L + 1) at the largest token bucket, its outputs
-      and its layer's attention output buffer: the fused qkv (q + 2kv, kept whole because v
-      leaves the piece as a strided view of it), q and k after rotary (q + kv), the
-      attention output (q, written in place by the attention op) and the residual (hidden),
-      so 3q + 3kv + hidden per token;
-    - FULL buffers: the persistent decode inputs and the hidden-state output;
-    - the graphs themselves, at a generous fixed size each.
-    """
+    """Device memory CUDA graph capture will take: the shared pool, one forward's activations
+    at the largest captured size (``activation_bytes_per_token`` is the profiling run's), the
+    persistent buffers (``capture_buffer_bytes``) and the graphs themselves, at a generous
+    fixed size each. Only the buffers are checked without a GPU (against the emulated
+    capture, tests/compiler/test_cudagraph_emulated.py); the pool and the per-graph sizes
+    are what a GPU run calibrates."""
     full = list(buckets.full) if mode.has_full else []
     pieces_sizes = list(buckets.piecewise) if mode.has_piecewise else []
     if not full and not pieces_sizes:
         return 0
-    elt = torch.empty((), dtype=model.dtype).element_size()
     pool = activation_bytes_per_token * max(full + pieces_sizes)
-    num_pieces = model.num_layers + 1
+    graphs = len(full) * FULL_GRAPH_BYTES + len(pieces_sizes) * (model.num_layers + 1) * PIECE_GRAPH_BYTES
+    return int(pool + capture_buffer_bytes(model, buckets, mode, max_model_len, block_size) + graphs)
+
+
+def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGraphMode, max_model_len: int,
+                         block_size: int) -> int:
+    """The persistent buffers capture allocates, each sized by the largest bucket:
+
+    - PIECEWISE: per layer, the outputs of the piece before its attention and the attention
+      output buffer: the fused qkv (q + 2kv, kept whole because v leaves the piece as a
+      strided view of it), q and k after rotary (q + kv), the attention output (q, written
+      in place by the attention op) and the residual (hidden), so 3q + 3kv + hidden per
+      token; the last piece's output (hidden); the rotary cos and sin the first piece hands
+      on (head_dim); the staged input ids and positions (two int64);
+    - FULL: the persistent decode inputs and the hidden-state output.
+    """
+    full = list(buckets.full) if mode.has_full else []
+    pieces_sizes = list(buckets.piecewise) if mode.has_piecewise else []
+    elt = torch.empty((), dtype=model.dtype).element_size()
     q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    piece_io = elt * (3 * q_width + 3 * kv_width + model.hidden_size)
-    piece_buffers = num_pieces * piece_io * max(pieces_sizes, default=0)
+    layer_io = 3 * q_width + 3 * kv_width + model.hidden_size
+    per_token = elt * (model.num_layers * layer_io + model.hidden_size + model.head_dim) + 2 * 8
+    piece_buffers = per_token * max(pieces_sizes, default=0)
     per_seq = model.hidden_size * elt + 3 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
     full_buffers = per_seq * max(full, default=0)
-    graphs = len(full) * FULL_GRAPH_BYTES + len(pieces_sizes) * num_pieces * PIECE_GRAPH_BYTES
-    return int(pool + piece_buffers + full_buffers + graphs)
+    return int(piece_buffers + full_buffers)

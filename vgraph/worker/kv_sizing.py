@@ -134,12 +134,28 @@ def usable_max_model_len(max_model_len: int, num_blocks: int, block_size: int, d
 
 
 def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's zeroed (K, V) pool; on CPU on huge pages, which the decode attention
-    streams faster (vgraph/worker/huge_pages.py)."""
+    """Each layer's (K, V) pool, left unwritten on CUDA: zeroing a 64 GiB pool took 4.7 s of
+    an H200's warm start, and nothing reads a slot before a step has written it.
+
+    Why nothing does: a slot gets K/V only from ``reshape_and_cache``, which the attention op
+    (``unified_attention``) runs on the step's new tokens before it attends, so a sequence's
+    keys 0..seq_len-1 are all written when they are read (a prefix-cache hit reads blocks an
+    earlier request wrote; the block pool hands out a cached block only with its hash chain).
+    The attention kernels read keys below ``seq_len`` only: the Triton kernel loads every key
+    tile and block-table entry under a ``k_pos < seq_len`` mask with ``other=0`` (a masked
+    value is 0, never the garbage times a zero weight, which would be NaN for a NaN), and a
+    row with ``seq_len`` 0 (padding, and every row of a FULL graph's capture) returns before
+    any load; the CPU kernels walk keys 0..seq_len-1 the same way. Padding rows write
+    nowhere (slot -1). tests/worker/test_kv_garbage.py runs the engine over pools filled with
+    NaN and checks it gives the same tokens.
+
+    On CPU the pool is on huge pages, which the decode attention streams faster
+    (vgraph/worker/huge_pages.py); there it is zero anyway, and free: the kernel maps zeroed
+    pages when they are first touched."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def pool() -> torch.Tensor:
         if device.type == "cpu":
             return zeros_on_huge_pages(shape, spec.dtype)
-        return torch.zeros(shape, dtype=spec.dtype, device=device)
+        return torch.empty(shape, dtype=spec.dtype, device=device)
     return [(pool(), pool()) for _ in range(spec.num_layers)]

@@ -158,18 +158,14 @@ class ModelRunner:
         return blocks
 
     def _compiled_forward(self) -> Forward:
-        """The compiled forward (loaded from runnables, or traced or loaded at its first call:
-        the warm-up), or the eager module. The fast path (compiler/warm_start.py) imports
-        neither Dynamo nor Inductor; the full compiler brings both (~2.5 s), which an eager
-        engine never uses."""
+        """The compiled forward, or the eager module. The compiled one is the compiler's ladder
+        of loaders (compiler/build.py), climbed at its first call, the warm-up: its top rung
+        imports neither Dynamo nor Inductor, the lower ones bring both (~2.5 s), which an
+        eager engine never uses."""
         if not self.config.compile.compiled:
             return self.model
-        from ..compiler.warm_start import load_warm_forward
-        warm = load_warm_forward(self.model, self.config, self.hf_config, self.device)
-        if warm is not None:
-            return warm
-        from ..compiler.build import build_compiled_forward
-        return build_compiled_forward(self.model, self.config, self.hf_config, self.device)[0]
+        from ..compiler.build import build_forward
+        return build_forward(self.model, self.config, self.hf_config, self.device)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
