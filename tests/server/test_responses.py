@@ -134,6 +134,13 @@ def test_unsupported_fields_are_a_400_naming_them(server, model, param, change):
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+def test_a_malformed_item_is_named_in_the_message(server, model):
+    response = server.post("/v1/responses", {"model": model, "input": [{"role": "user", "content": "hi"},
+                                                                        {"role": "tool", "content": "x"}]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "input" and "'input.1.role'" in error["message"], error
+
+
 def test_the_openai_client_raises_bad_request_on_a_refusal(client, model):
     with pytest.raises(openai.BadRequestError) as caught:
         client.responses.create(model=model, input="hi", previous_response_id="resp_1")

@@ -65,7 +65,7 @@ class InputItem(_Strict):
 
 class ResponsesRequest(_Strict):
     model: Optional[str] = None
-    input: Union[str, list[InputItem]]
+    input: Union[list[InputItem], str]  # the list first: its errors name the item and field
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
