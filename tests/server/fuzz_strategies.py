@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from vgraph.models.demo import DEMO_MODEL_DIR, DEMO_MODEL_NAME
 from vgraph.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
+from vgraph.server.responses_protocol import ResponsesRequest
 
 MODEL = DEMO_MODEL_NAME
 VOCAB = json.loads((DEMO_MODEL_DIR / "config.json").read_text(encoding="utf-8"))["vocab_size"]
@@ -133,7 +134,7 @@ def bad_values() -> st.SearchStrategy[Any]:
 
 # Fields whose value multiplies the work of a request: their hostile values must be invalid
 # (rejected before any work) or small, so one example never costs seconds of model time.
-COSTLY = {"n", "best_of", "max_tokens", "max_completion_tokens", "prompt", "messages"}
+COSTLY = {"n", "best_of", "max_tokens", "max_completion_tokens", "max_output_tokens", "prompt", "messages", "input"}
 
 
 def cheap_bad_values() -> st.SearchStrategy[Any]:
@@ -168,6 +169,19 @@ def messages() -> st.SearchStrategy[list]:
          "content": st.one_of(texts(), st.none(), content_parts())},
         optional={"name": texts(10), "tool_call_id": texts(10)})
     return st.lists(message, min_size=1, max_size=3)
+
+
+def response_inputs() -> st.SearchStrategy[Any]:
+    """``/v1/responses`` input: a string, or messages in the short and typed forms with text
+    parts, and items it refuses (image parts, tool calls, references)."""
+    part = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": texts()}),
+                     st.fixed_dictionaries({"type": st.sampled_from(["input_image", "input_file", "refusal", ""])},
+                                           optional={"text": st.one_of(st.none(), texts())}))
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+         "content": st.one_of(texts(), st.none(), st.lists(part, max_size=3))},
+        optional={"type": st.sampled_from(["message", "function_call", "item_reference"]), "id": texts(10)})
+    return st.one_of(texts(min_size=1), st.lists(message, min_size=1, max_size=3))
 
 
 def _generation_fields() -> dict[str, st.SearchStrategy[Any]]:
@@ -231,6 +245,30 @@ GOOD: dict[str, dict[str, st.SearchStrategy[Any]]] = {
                                         {"type": "function", "function": {"name": "f"}}]),
         "parallel_tool_calls": st.sampled_from([None, False]),
     },
+    "/v1/responses": {
+        "model": st.sampled_from([MODEL, None]),
+        "input": response_inputs(),
+        "instructions": st.one_of(st.none(), texts()),
+        "max_output_tokens": st.integers(1, MAX_NEW),
+        "temperature": st.one_of(st.none(), st.just(0.0), st.floats(0.0, 2.0)),
+        "top_p": st.one_of(st.none(), st.floats(0.01, 1.0)),
+        "stream": st.one_of(st.none(), st.booleans()),
+        "user": st.one_of(st.none(), texts()),
+        "metadata": st.one_of(st.none(), st.dictionaries(texts(8), texts(8), max_size=3)),
+        "store": st.sampled_from([None, False, True]),
+        "previous_response_id": st.sampled_from([None, "resp_1"]),
+        "conversation": st.sampled_from([None, "conv_1"]),
+        "background": st.sampled_from([None, False, True]),
+        "tools": st.sampled_from([None, [], [{"type": "function", "name": "f"}]]),
+        "tool_choice": st.sampled_from([None, "none", "auto", "required"]),
+        "reasoning": st.sampled_from([None, {}, {"effort": None}, {"effort": "low"}]),
+        "include": st.sampled_from([None, [], ["message.output_text.logprobs"]]),
+        "text": st.sampled_from([None, {}, {"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                                 {"format": "text"}, {"format": 3}]),
+        "truncation": st.sampled_from([None, "disabled", "auto"]),
+        "top_logprobs": st.one_of(st.none(), st.integers(0, 5)),
+        "prompt": st.sampled_from([None, {"id": "pmpt_1"}]),
+    },
     "/tokenize": {
         "model": st.sampled_from([MODEL, None]),
         "prompt": texts(40),
@@ -245,9 +283,9 @@ GOOD: dict[str, dict[str, st.SearchStrategy[Any]]] = {
 }
 
 MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
 REQUIRED = {"/v1/completions": ("prompt", "max_tokens"), "/v1/chat/completions": ("messages",),
-            "/tokenize": (), "/detokenize": ("tokens",)}
+            "/v1/responses": ("input", "max_output_tokens"), "/tokenize": (), "/detokenize": ("tokens",)}
 POST_ROUTES = tuple(GOOD)
 
 
@@ -267,6 +305,8 @@ def _cheap(route: str, body: dict[str, Any]) -> None:
                 body["max_tokens"] = MAX_NEW
     elif route == "/v1/completions" and "max_tokens" in body and body["max_tokens"] is None:
         body["max_tokens"] = MAX_NEW
+    elif route == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = MAX_NEW
 
 
 def _small_int(value: Any) -> bool:
@@ -312,6 +352,7 @@ def with_surrogate(draw: Any, route: str) -> tuple[dict[str, Any], str]:
     text = draw(st.sampled_from(["{}", "a{}", "{}b", "x{}y{}"])).replace("{}", s)
     spots = {"/v1/completions": ["prompt", "prompt[]", "stop", "user", "model", "key"],
              "/v1/chat/completions": ["content", "content_part", "name", "stop", "role", "model", "key"],
+             "/v1/responses": ["input", "instructions", "user", "model", "key"],
              "/tokenize": ["prompt", "content", "model", "key"],
              "/detokenize": ["model", "key"]}[route]
     spot = draw(st.sampled_from(spots))
@@ -338,6 +379,7 @@ def with_surrogate(draw: Any, route: str) -> tuple[dict[str, Any], str]:
 
 MINIMAL = {"/v1/completions": {"prompt": "hello", "max_tokens": 2},
            "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+           "/v1/responses": {"input": "hi", "max_output_tokens": 2},
            "/tokenize": {"prompt": "hello"},
            "/detokenize": {"tokens": [10, 20]}}
 
@@ -363,8 +405,8 @@ def deep_bodies(draw: Any, route: str) -> tuple[bytes, int]:
         half = depth // 2
         nested = b'[{"a":' * half + (leaf or b"1") + b"}]" * half
     where = draw(st.sampled_from(["body", "field", "unknown", "message"]))
-    field = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/tokenize": "prompt",
-             "/detokenize": "tokens"}[route]
+    field = {"/v1/completions": "prompt", "/v1/chat/completions": "messages", "/v1/responses": "input",
+             "/tokenize": "prompt", "/detokenize": "tokens"}[route]
     base = draw(minimal_bodies(route))
     if where == "body":
         return nested, depth
@@ -389,8 +431,8 @@ def invalid_utf8_bodies(draw: Any, route: str) -> bytes:
                          b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xed\xa0\xbd\xed\xb8\x80", b"caf\xe9"]),
         st.binary(min_size=1, max_size=8).filter(lambda b: not _is_utf8(b))))
     body = dumps(draw(minimal_bodies(route)))
-    marker = {"/v1/completions": b'"hello"', "/v1/chat/completions": b'"hi"', "/tokenize": b'"hello"',
-              "/detokenize": b"[10"}[route]
+    marker = {"/v1/completions": b'"hello"', "/v1/chat/completions": b'"hi"', "/v1/responses": b'"hi"',
+              "/tokenize": b'"hello"', "/detokenize": b"[10"}[route]
     at = body.index(marker) + 1
     where = draw(st.sampled_from(["string", "before", "after", "key"]))
     if where == "string":

@@ -164,7 +164,7 @@ def error_of(answer: Answer) -> dict[str, Any]:
 
 def expected_choices(route: str, body: Any) -> Optional[int]:
     """How many choices a successful answer to ``body`` has, when the body says so plainly."""
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) or route == "/v1/responses":
         return None
     n = body.get("n", 1)
     if type(n) is not int:
@@ -180,7 +180,8 @@ def expected_choices(route: str, body: Any) -> Optional[int]:
 def max_new(route: str, body: Any) -> Optional[int]:
     if not isinstance(body, dict):
         return None
-    for name in (("max_completion_tokens", "max_tokens") if route == "/v1/chat/completions" else ("max_tokens",)):
+    names = {"/v1/chat/completions": ("max_completion_tokens", "max_tokens"), "/v1/responses": ("max_output_tokens",)}
+    for name in names.get(route, ("max_tokens",)):
         if type(body.get(name)) is int:
             return body[name]
     return None
@@ -204,6 +205,8 @@ def check_json_answer(obj: Any, route: str, body: Any) -> None:
         limit = max_new(route, body)
         if limit is not None:
             assert usage["completion_tokens"] <= limit * len(choices), (usage, limit)
+    elif route == "/v1/responses":
+        check_response(obj, body)
     elif route == "/tokenize":
         assert obj["count"] == len(obj["tokens"]), obj
         assert all(type(t) is int and 0 <= t < fs.VOCAB for t in obj["tokens"]), obj
@@ -219,9 +222,35 @@ def check_json_answer(obj: Any, route: str, body: Any) -> None:
         assert isinstance(obj["version"], str), obj
 
 
+def check_response(obj: dict[str, Any], body: Any) -> None:
+    """A ``/v1/responses`` answer: one message whose text is a string, usage adding up, within
+    ``max_output_tokens``."""
+    assert obj["object"] == "response" and obj["status"] in ("completed", "incomplete"), obj
+    (item,) = obj["output"]
+    assert item["type"] == "message" and isinstance(item["content"][0]["text"], str), obj
+    usage = obj["usage"]
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], usage
+    limit = max_new("/v1/responses", body)
+    if limit is not None:
+        assert usage["output_tokens"] <= limit, (usage, limit)
+
+
+def check_response_stream(answer: Answer, body: Any) -> None:
+    """Responses API events: numbered from 0, no error, ending in the finished response (no
+    ``[DONE]`` in this API)."""
+    events = [json.loads(line[len(b"data: "):]) for line in answer.body.split(b"\n") if line.startswith(b"data: ")]
+    assert events and [e["sequence_number"] for e in events] == list(range(len(events))), answer.body[-300:]
+    assert all(e["type"] not in ("error", "response.failed") for e in events), answer.body[-300:]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    check_response(events[-1]["response"], body)
+
+
 def check_stream(answer: Answer, route: str, body: Any) -> None:
     """Every event is JSON without an error, the last one is ``[DONE]``, and every choice
     finished exactly once."""
+    if route == "/v1/responses":
+        check_response_stream(answer, body)
+        return
     events = [line[len(b"data: "):] for line in answer.body.split(b"\n") if line.startswith(b"data: ")]
     assert events and events[-1] == b"[DONE]", answer.body[-300:]
     finished: dict[int, int] = {}
@@ -262,6 +291,7 @@ def test_every_model_field_has_a_strategy():
 
 
 @pytest.mark.parametrize("route,examples", [("/v1/completions", 150), ("/v1/chat/completions", 150),
+                                            ("/v1/responses", 100),
                                             ("/tokenize", 80), ("/detokenize", 60)])
 def test_request_fields(http, reference, route, examples):
     @fuzz(examples)
@@ -274,8 +304,8 @@ def test_request_fields(http, reference, route, examples):
 
 
 GET_PATHS = ["/v1/models", f"/v1/models/{fs.MODEL}", "/health", "/version", "/metrics", "/v1", "/v1/", "/",
-             "/v1/nope", "/tokenize", "/v1/completions", "/v1/chat/completions", "/detokenize", "//health",
-             "/v1/models/", "/health/"]
+             "/v1/nope", "/tokenize", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/detokenize",
+             "//health", "/v1/models/", "/health/"]
 
 
 @st.composite
@@ -416,12 +446,13 @@ def test_seeds_past_64_bits(http, reference, seed, n, stream, route):
     assert_still_serving(http, reference)
 
 
-AUTH_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+AUTH_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+               ("GET", "/v1/models"),
                ("GET", f"/v1/models/{fs.MODEL}"), ("GET", "/v1/nope"), ("POST", "/tokenize"),
                ("POST", "/detokenize"), ("GET", "/health"), ("GET", "/version"), ("GET", "/metrics")]
 BODIES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"prompt": "hi"},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
-          "/detokenize": {"tokens": [10, 20]}}
+          "/v1/responses": {"input": "hi", "max_output_tokens": 2}, "/detokenize": {"tokens": [10, 20]}}
 
 
 @fuzz(80)

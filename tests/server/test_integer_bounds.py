@@ -19,6 +19,7 @@ import pytest
 from tests.server.conftest import EAGER_ARGS, ServerProcess
 from vgraph.server.protocol import (INT_RANGES, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
+from vgraph.server.responses_protocol import ResponsesRequest
 from vgraph.server.routes_embeddings import EmbeddingRequest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -35,13 +36,15 @@ ROUTES: dict[str, tuple[dict[str, Any], list[str]]] = {
     "/v1/chat/completions": ({"model": MODEL, "messages": CHAT, "max_tokens": 1, "logprobs": True},
                              ["n", "max_tokens", "max_completion_tokens", "min_tokens", "top_k", "seed",
                               "top_logprobs", "stop_token_ids"]),
+    "/v1/responses": ({"model": MODEL, "input": "hi", "max_output_tokens": 1}, ["max_output_tokens", "top_logprobs"]),
     "/v1/embeddings": ({"model": MODEL, "input": "hi"}, ["input", "dimensions"]),
     "/detokenize": ({"model": MODEL, "tokens": [5]}, ["tokens"]),
 }
 LIST_FIELDS = {"stop_token_ids", "prompt", "input", "tokens"}
 BOUNDARIES = sorted({0, 1, 2**31 - 1, 2**31, 2**32, 2**53, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**70,
                      -1, -2**31, -2**31 - 1, -2**53, -2**63, -2**63 - 1, -2**64, -10**30})
-MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest]
+MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, EmbeddingRequest,
+          ResponsesRequest]
 REFUSED = {"dimensions"}  # integer fields refused whatever their value
 ERROR_FIELDS = {"message", "type", "param", "code"}
 

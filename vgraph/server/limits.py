@@ -94,16 +94,17 @@ class Limits:
                           f"sequences; at most {self.sequences} are allowed per request",
                           "--max-sequences-per-request", "n" if n > 1 else prompt_param, "too_many_sequences")
 
-    def check_messages(self, num_messages: int, n: int) -> None:
+    def check_messages(self, num_messages: int, n: int, param: str = "messages") -> None:
+        """``param``: the field the messages came from (``/v1/responses`` builds them from ``input``)."""
         if num_messages > self.messages:
-            raise _refuse(f"messages holds {num_messages} messages; at most {self.messages} are allowed",
-                          "--max-messages", "messages", "too_many_messages")
-        self.check_sequences(1, n, "messages")
+            raise _refuse(f"{param} holds {num_messages} messages; at most {self.messages} are allowed",
+                          "--max-messages", param, "too_many_messages")
+        self.check_sequences(1, n, param)
 
-    def check_message_chars(self, messages: Sequence[dict[str, Any]]) -> None:
+    def check_message_chars(self, messages: Sequence[dict[str, Any]], param: str = "messages") -> None:
         """The messages' text together against the prompt's character limit."""
         chars = sum(len(m.get("content") or "") + len(m.get("name") or "") for m in messages)
-        self.check_chars(chars, "the messages' text", "messages")
+        self.check_chars(chars, "the messages' text", param)
 
     def check_chars(self, chars: int, what: str, param: str) -> None:
         if chars > self.prompt_chars:

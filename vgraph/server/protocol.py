@@ -45,6 +45,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "best_of": (1, MAX_N),
     "max_tokens": (0, INT32_MAX),  # 0 only with echo; the prompt plus it must fit max_model_len
     "max_completion_tokens": (0, INT32_MAX),
+    "max_output_tokens": (1, INT32_MAX),  # /v1/responses
     "min_tokens": (0, INT32_MAX),
     "top_k": (-1, INT32_MAX),  # -1 or 0: off; above the vocabulary size: every token
     "seed": SEED_RANGE,
@@ -132,15 +133,23 @@ class _GenerationFields(_Strict):
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                     "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                     "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty}
-        fields.update(defaults or {})
-        fields.update({k: v for k, v in optional.items() if v is not None})
-        try:
-            params = SamplingParams(**fields)
-            params.validate(max_logprobs)
-        except ValueError as exc:
-            param = param_from_message(str(exc))
-            raise bad_request(str(exc), (field_names or {}).get(param or "", param)) from None
-        return params
+        return make_sampling_params(fields, optional, max_logprobs, field_names, defaults)
+
+
+def make_sampling_params(fields: dict[str, Any], optional: dict[str, Any], max_logprobs: int,
+                         field_names: Optional[dict[str, str]] = None,
+                         defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
+    """Validated ``SamplingParams`` from a route's ``fields`` and its ``optional`` sampling
+    settings (those left None take ``defaults``, then SamplingParams' own); one function for
+    every generation route, so each gets the same checks and the same 400s naming its fields."""
+    merged = {**fields, **(defaults or {}), **{k: v for k, v in optional.items() if v is not None}}
+    try:
+        params = SamplingParams(**merged)
+        params.validate(max_logprobs)
+    except ValueError as exc:
+        param = param_from_message(str(exc))
+        raise bad_request(str(exc), (field_names or {}).get(param or "", param)) from None
+    return params
 
 
 class CompletionRequest(_GenerationFields):

@@ -294,22 +294,25 @@ class ServerState:
         self.engine.abort(collector.request_ids)
         collector._fail(_ClientGone())
 
-    async def chat_messages(self, messages: list[ChatMessage], n: int = 1) -> list[dict[str, Any]]:
+    async def chat_messages(self, messages: list[ChatMessage], n: int = 1,
+                            param: str = "messages") -> list[dict[str, Any]]:
         """The messages as the template takes them, within the message limit; converted off the
-        loop when they hold many content parts (up to hundreds of thousands fit in a body)."""
-        self.limits.check_messages(len(messages), n)
+        loop when they hold many content parts (up to hundreds of thousands fit in a body).
+        ``param``: the request field a refusal names (``/v1/responses`` builds them from ``input``)."""
+        self.limits.check_messages(len(messages), n, param)
         if content_parts(messages) > OFFLOAD_PARTS:
             return await asyncio.to_thread(template_messages, messages)
         return template_messages(messages)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           limit_tokens: bool = True,
-                          tools: Optional[list[dict[str, Any]]] = None) -> tuple[str, list[int]]:
+                          tools: Optional[list[dict[str, Any]]] = None,
+                          param: str = "messages") -> tuple[str, list[int]]:
         """Renders the chat template (``--chat-template`` or the tokenizer's) and tokenizes it,
         within the character limit and, with ``limit_tokens``, the token limit (``/tokenize``
-        reports any count)."""
+        reports any count). ``param``: the request field a refusal names."""
         limits = self.limits
-        limits.check_message_chars(messages)
+        limits.check_message_chars(messages, param)
         template = self.settings.chat_template
         if template is None and not getattr(self.engine.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template; start the server with "
@@ -320,7 +323,7 @@ class ServerState:
                               code="tools_unsupported")
         text, ids = await self.tokenizer.render_chat(messages, template, add_generation_prompt, tools)
         if limit_tokens:
-            limits.check_tokens(len(ids), "the rendered messages", "messages")
+            limits.check_tokens(len(ids), "the rendered messages", param)
         return text, ids
 
 

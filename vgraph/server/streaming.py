@@ -24,9 +24,11 @@ logger = logging.getLogger("vgraph.server")
 DONE = b"data: [DONE]\n\n"
 
 
-def sse(obj: dict[str, Any]) -> bytes:
-    """One event: ``data: <json>`` and a blank line."""
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def sse(obj: dict[str, Any], event: Optional[str] = None) -> bytes:
+    """One event: ``data: <json>`` and a blank line, after ``event: <name>`` when the API names
+    its events (the Responses API does; completions and chat do not)."""
+    data = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
 class SSEResponse(StreamingResponse):
