@@ -64,7 +64,7 @@ def test_token_id_inputs(tiny_server):
     ({"input": 5}, 400, "input", "input"),
     ({"input": [1.5]}, 400, "input", "input"),
     ({"input": [10**7]}, 400, "input", "outside the vocabulary"),
-    ({"input": [1] * 600}, 400, "input", "at most 511"),
+    ({"input": [1] * 600}, 400, "input", "maximum context length is 512 tokens"),
     ({"input": "x" * 20_000}, 400, "input", "characters"),
     ({"input": "hi", "dimensions": 8}, 400, "dimensions", "not supported"),
     ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format", "encoding_format"),
