@@ -125,22 +125,23 @@ def section(path: Path, plot_link: Optional[str]) -> list[str]:
     if suite is None:
         return lines + _script_table(result)
     module = importlib.import_module(f"perf.suites.{suite.replace('-', '_')}")
-    try:
-        summary = module.summarize(result)
-    except Exception as exc:  # noqa: BLE001 - a file older than its suite's summary: say so, not fail
-        summary = f"(this file predates the suite's summary: {type(exc).__name__}: {exc})"
-    lines += ["```text", summary.rstrip(), "```", ""]
+    lines += ["```text", _summary(module, result).rstrip(), "```", ""]
     if "threads_1" in result:
-        try:
-            lines += ["The same suite at `--threads 1`:", "", "```text",
-                      module.summarize(result["threads_1"]).rstrip(), "```", ""]
-        except Exception:  # noqa: BLE001
-            pass
+        lines += ["The same suite at `--threads 1`:", "", "```text",
+                  _summary(module, result["threads_1"]).rstrip(), "```", ""]
     lines += _headline_table(module, result)
     if plot_link is not None:
         lines += [f"![{name}]({plot_link})", ""]
     return lines
 
+
+
+def _summary(module, result: dict) -> str:
+    """The suite's own summary of a result; a file older than that summary says so, not fail."""
+    try:
+        return module.summarize(result)
+    except Exception as exc:  # noqa: BLE001
+        return f"(this file predates the suite's summary: {type(exc).__name__}: {exc})"
 
 def results_page(results_dir: Path = RESULTS_DIR, plot_prefix: Optional[str] = "plots/") -> str:
     """The whole page. ``plot_prefix`` is where the page finds ``<name>.png`` (the docs build

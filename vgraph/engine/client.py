@@ -27,12 +27,11 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Protocol, S
 
 from ..sampling_params import SamplingParams
 from .core_codec import ABORT, ADD, FINISH, EngineFacts
-from .inputs import InputError, PromptType, check_prompt, prompt_to_ids
+from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .stats import EngineStats, EngineStep, StepOutput
 
-_PREFILL_ONLY = SamplingParams(max_tokens=0)  # what a pooling prompt is checked as (see LLMEngine)
 # A submission the engine has not answered in this long, while it is alive and ready, means the
 # admission bookkeeping is stuck: /health reports it (the engine answers adds between steps).
 STALLED_ADMISSION_S = 60.0
@@ -336,7 +335,7 @@ class EngineClient(StreamingFront):
         if generating:
             params.validate(self.max_logprobs)
         text, ids = prompt_to_ids(prompt, self.tokenizer)
-        check_prompt(ids, params if generating else _PREFILL_ONLY, self.vocab_size, self.max_model_len)
+        check_prompt(ids, params if generating else PREFILL_ONLY, self.vocab_size, self.max_model_len)
         return text, ids
 
     def abort(self, request_ids: Iterable[str]) -> None:

@@ -7,6 +7,8 @@ from typing import Any, Optional, Union
 from ..sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
+# What a pooling request is checked and scheduled as: a prompt, and no token sampled.
+PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 
 class InputError(ValueError):

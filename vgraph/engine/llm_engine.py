@@ -24,14 +24,11 @@ from ..distributed.sharding import check_divisible
 from ..models.llama import arch_spec
 from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
-from .inputs import PromptType, check_prompt, prompt_to_ids
+from .inputs import PREFILL_ONLY, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
 from .stats import EngineStep, EngineStats, RequestTiming
 
 logger = logging.getLogger("vgraph")
-
-# What a pooling request's Request carries as sampling parameters: it samples nothing.
-_PREFILL_ONLY = SamplingParams(max_tokens=0)
 
 
 @dataclass
@@ -136,12 +133,12 @@ class LLMEngine:
                              arrival: float) -> None:
         """A prefill-only request whose final hidden states are pooled into an embedding."""
         _, ids = prompt_to_ids(prompt, self.tokenizer)
-        check_prompt(ids, _PREFILL_ONLY, self.vocab_size, self.max_model_len)
+        check_prompt(ids, PREFILL_ONLY, self.vocab_size, self.max_model_len)
         model = self.config.model
         pooling = PoolingState(params.pooling_type or model.pooling_type,
                                model.pooling_normalize if params.normalize is None else params.normalize)
         group = _Group(request_id, len(ids), arrival)
-        group.sequences.append(Request(request_id, ids, _PREFILL_ONLY, pooling=pooling))
+        group.sequences.append(Request(request_id, ids, PREFILL_ONLY, pooling=pooling))
         self._admit_group(group)
 
     def _admit_group(self, group: _Group) -> None:
