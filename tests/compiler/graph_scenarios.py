@@ -61,10 +61,11 @@ def replay_equals_eager(llm, prompts: Sequence[Sequence[int]], kind: str, new_pr
             engine.add_request("s-new", {"prompt_token_ids": prompts[new_prompt]},
                                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         sched = engine.scheduler.schedule()
+        step = runner.requests.apply(sched.plan)  # the runner's copies follow every plan
         graphs = runner.graphs
         misses = graphs.piecewise_graphs.misses if graphs.piecewise_graphs is not None else 0
         with torch.inference_mode():
-            batch, decision = graphs.build(sched)
+            batch, decision = graphs.build(step)
             assert decision.path is Path(kind), (
                 f"a {decision.num_tokens}-token batch took the {decision.path.value} path; buckets "
                 f"{graphs.buckets}")

@@ -114,13 +114,14 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
             engine.add_request("s-new", {"prompt_token_ids": prompts[9]},
                                SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         sched = engine.scheduler.schedule()
+        step = engine.runner.requests.apply(sched.plan)  # the runner's copies follow every plan
         graphs = engine.runner.graphs
         with torch.inference_mode():
-            batch, decision = graphs.build(sched)
+            batch, decision = graphs.build(step)
             assert decision.path is (Path.FULL if kind == "decode" else Path.PIECEWISE) and decision.padding > 0
             padded = graphs.run(replace(batch, output_rows=None), decision).clone()
             unpadded = Decision(Path.NONE, max(decision.num_tokens, graphs.min_forward_rows), decision.num_tokens)
-            plain = graphs.run(replace(graphs.builder.build(sched, unpadded), output_rows=None), unpadded).clone()
+            plain = graphs.run(replace(graphs.builder.build(step, unpadded), output_rows=None), unpadded).clone()
         assert padded.shape == plain.shape == (decision.num_tokens, plain.shape[1])
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)
         engine.scheduler.update(sched, ModelRunnerOutput({s.request.request_id: 5 for s in sched.scheduled

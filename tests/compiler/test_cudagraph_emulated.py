@@ -25,7 +25,7 @@ from vgraph import LLM, SamplingParams
 from vgraph.compiler import piecewise_graphs
 from vgraph.compiler.capture_safety import CaptureRegion, CaptureSafetyError
 from vgraph.config import CompileConfig, CudaGraphMode
-from vgraph.core.scheduler import SchedulerOutput
+from vgraph.worker.runner_requests import RunnerStep
 from vgraph.worker.cuda_graphs import FullGraphs, capture_buffer_bytes
 from vgraph.worker.dispatch import Decision, Path
 from vgraph.worker.dummy import DummySource
@@ -218,7 +218,7 @@ def test_a_full_body_over_the_batchs_own_tensors_is_refused(emulated, per_call, 
     instead of the persistent decode buffers replays that batch forever on CUDA."""
     graphs = emulated[0].engine.runner.graphs
     with torch.inference_mode():
-        batch = graphs.builder.build(SchedulerOutput(), Decision(Path.FULL, 8, 0))
+        batch = graphs.builder.build(RunnerStep(), Decision(Path.FULL, 8, 0))
         inputs = graphs.decode_buffers.fill(batch)
         ids = batch.input_ids if per_call == "input_ids" else inputs.input_ids
         meta = batch.attn_metadata if per_call == "attention metadata" else inputs.attn_metadata

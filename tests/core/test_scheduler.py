@@ -17,6 +17,7 @@ from vgraph.core.request import Request, RequestStatus
 from vgraph.core.scheduler import Scheduler, SchedulerOutput
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.dispatch import BatchShape
+from vgraph.worker.runner_requests import RunnerRequest, RunnerRequests
 from vgraph.core.outputs import ModelRunnerOutput
 
 BS = 4
@@ -41,21 +42,29 @@ class FakeModel:
 
     def __init__(self, num_blocks: int) -> None:
         self.slots: list[list[Optional[int]]] = [[None] * BS for _ in range(num_blocks)]
+        self.copies = RunnerRequests()  # the runner's side: only the plans reach it, in order
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        for item in output.scheduled:
-            request = item.request
-            assert item.start_position == request.num_computed_tokens
-            assert len(request.block_ids) * BS >= item.start_position + item.num_new_tokens
-            for offset, token in enumerate(item.token_ids):
-                position = item.start_position + offset
-                self.slots[request.block_ids[position // BS]][position % BS] = token
-        return {item.request.request_id: self._sample(item.request, item.start_position + item.num_new_tokens)
-                for item in output.samples}
+        """Runs the step from the scheduler's plain plan alone, as the runner does, and checks
+        that the runner's copies follow the scheduler's requests (preemption included)."""
+        step = self.copies.apply(output.plan)
+        assert len(step.chunks) == len(output.scheduled)
+        for item, chunk in zip(output.scheduled, step.chunks):
+            request, copy = item.request, chunk.request
+            assert item.start_position == request.num_computed_tokens == chunk.start_position
+            assert copy.block_ids == request.block_ids and copy.output_token_ids == request.output_token_ids
+            assert chunk.produces_token == item.produces_token
+            assert len(copy.block_ids) * BS >= chunk.start_position + chunk.num_new_tokens
+            for offset, token in enumerate(chunk.token_ids):
+                position = chunk.start_position + offset
+                self.slots[copy.block_ids[position // BS]][position % BS] = token
+        return {c.request.request_id: self._sample(c.request, c.start_position + c.num_new_tokens)
+                for c in step.chunks if c.produces_token}
 
-    def _sample(self, request: Request, length: int) -> int:
+    def _sample(self, request: RunnerRequest, length: int) -> int:
         sequence = [self.slots[request.block_ids[p // BS]][p % BS] for p in range(length)]
-        assert sequence == request.all_token_ids, "KV read back through the block table is wrong"
+        assert sequence == request.prompt_token_ids + request.output_token_ids, \
+            "KV read back through the block table is wrong"
         return next_token(sequence)
 
 
@@ -155,12 +164,12 @@ def test_chunked_prefill_splits_prompt_and_mixes_with_decodes():
         rows = {s.request.request_id: s for s in output.scheduled}
         assert rows["decoder"].num_new_tokens == 1 and rows["decoder"].produces_token
         chunks.append(rows["long"].num_new_tokens)
-        assert not BatchShape.of_scheduled(output).uniform_decode
+        assert not BatchShape.of_step(output.plan).uniform_decode
         assert rows["long"].produces_token == (len(chunks) == 4)
     assert chunks == [16, 16, 16, 2]
     assert long.num_computed_tokens == 50 and len(long.output_token_ids) == 1
     output, _ = step(scheduler, model)
-    assert BatchShape.of_scheduled(output).uniform_decode and output.num_batched_tokens == 2
+    assert BatchShape.of_step(output.plan).uniform_decode and output.num_batched_tokens == 2
     run(scheduler, model)
     assert long.output_token_ids == reference(long.prompt_token_ids, 4)
     assert decoder.output_token_ids == reference(decoder.prompt_token_ids, 20)

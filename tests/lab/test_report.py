@@ -15,8 +15,7 @@ import torch
 import vgraph.passes
 from tests.checkpoints import tiny_checkpoint
 from vgraph import SamplingParams, cli
-from vgraph.core.request import Request
-from vgraph.core.scheduler import ScheduledRequest, SchedulerOutput
+from vgraph.worker.dummy import prefill_step
 
 pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "user_pass.py"
@@ -37,15 +36,10 @@ def lifted(tmp_path_factory):
 def logits_by_hand(llm, prompts: list[list[int]]) -> torch.Tensor:
     """Every prompt position's logits from one prefill step through the engine's runner."""
     runner = llm.engine.runner
-    scheduled, block = [], 0
-    for i, ids in enumerate(prompts):
-        request = Request(f"by-hand-{i}", ids, SamplingParams(temperature=0.0, max_tokens=1))
-        blocks = -(-len(ids) // runner.spec.block_size)
-        request.block_ids = list(range(block, block + blocks))
-        block += blocks
-        scheduled.append(ScheduledRequest(request, len(ids)))
+    step = prefill_step(prompts, runner.spec.block_size, runner.num_blocks,
+                        SamplingParams(temperature=0.0, max_tokens=1), "by-hand")
     with torch.inference_mode():
-        batch, decision = runner.graphs.build(SchedulerOutput(scheduled=scheduled))
+        batch, decision = runner.graphs.build(step)
         batch = replace(batch, output_rows=None)  # every row's hidden state, not the sampled rows'
         return runner.model.compute_logits(runner.graphs.run(batch, decision)).float()
 

@@ -8,7 +8,8 @@ import torch
 
 from vgraph.config import CacheConfig, CompileConfig, CudaGraphMode, SchedulerConfig
 from vgraph.core.request import Request
-from vgraph.core.scheduler import Scheduler, SchedulerOutput
+from vgraph.core.scheduler import Scheduler
+from vgraph.worker.runner_requests import RunnerRequests, RunnerStep
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.batch import BatchBuilder, FlatBatch
@@ -124,45 +125,48 @@ def _add(s: Scheduler, rid: str, prompt_len: int) -> None:
     s.add_request(Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=20, ignore_eos=True)))
 
 
-def _step(s: Scheduler):
+def _step(s: Scheduler, copies: RunnerRequests) -> RunnerStep:
+    """One scheduled step, applied to the runner's copies (as the runner does) and updated."""
     sched = s.schedule()
+    step = copies.apply(sched.plan)
     s.update(sched, ModelRunnerOutput({x.request.request_id: 7 for x in sched.scheduled if x.produces_token}))
-    return sched
+    return step
 
 
 def test_pure_decode_is_judged_from_the_scheduler_output():
     s = _scheduler()
     for i, n in enumerate([5, 2, 9]):
         _add(s, str(i), n)
-    prefill = s.schedule()
-    assert BatchShape.of_scheduled(prefill) == mixed(16, 3)
-    assert choose(BatchShape.of_scheduled(prefill), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
-    s.update(prefill, ModelRunnerOutput({x.request.request_id: 7 for x in prefill.scheduled}))
-    step = s.schedule()
-    assert BatchShape.of_scheduled(step) == decode(3)
-    assert choose(BatchShape.of_scheduled(step), DEFAULT, BOTH) == Decision(Path.FULL, 4, 3)
+    copies = RunnerRequests()
+    prefill = _step(s, copies)
+    assert BatchShape.of_step(prefill) == mixed(16, 3)
+    assert choose(BatchShape.of_step(prefill), DEFAULT, BOTH) == Decision(Path.PIECEWISE, 16, 16)
+    step = _step(s, copies)
+    assert BatchShape.of_step(step) == decode(3)
+    assert choose(BatchShape.of_step(step), DEFAULT, BOTH) == Decision(Path.FULL, 4, 3)
 
 
 # ---------------------------------------------------------------------------- padding layout
 
 
-def _decode_sched(s: Scheduler, lengths: list[int]) -> SchedulerOutput:
+def _decode_sched(s: Scheduler, lengths: list[int]) -> RunnerStep:
     """A pure-decode step over real block tables (prompts of ``lengths`` tokens)."""
     for i, n in enumerate(lengths):
         _add(s, f"r{i}", n)
-    _step(s)
-    return s.schedule()
+    copies = RunnerRequests()
+    _step(s, copies)
+    return copies.apply(s.schedule().plan)
 
 
-def _build(sched: SchedulerOutput, path: Path, bucket: int) -> FlatBatch:
-    return BUILDER.build(sched, Decision(path, bucket, sum(x.num_new_tokens for x in sched.scheduled)))
+def _build(step: RunnerStep, path: Path, bucket: int) -> FlatBatch:
+    return BUILDER.build(step, Decision(path, bucket, step.num_batched_tokens))
 
 
 def test_token_padding_appends_rows_outside_every_sequence():
     s = _scheduler()
     for i, n in enumerate([5, 2]):
         _add(s, str(i), n)
-    sched = s.schedule()
+    sched = RunnerRequests().apply(s.schedule().plan)
     batch, padded = _build(sched, Path.NONE, 7), _build(sched, Path.PIECEWISE, 10)
     meta = padded.attn_metadata
     assert padded.num_tokens == 10 and padded.num_scheduled == 7 and padded.input_ids[7:].tolist() == [0, 0, 0]
@@ -188,8 +192,7 @@ def test_full_padding_adds_empty_sequences_and_the_buffers_never_move():
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4], "one row per sequence, padding included"
     assert meta.slot_mapping[3] == -1 and meta.max_query_len == 1 and meta.max_seq_len == 64
     # a smaller batch in the same bucket: the rows it no longer uses become padding again
-    sched.scheduled = sched.scheduled[:1]
-    again = bufs.fill(_build(sched, Path.FULL, 4))
+    again = bufs.fill(_build(RunnerStep(sched.chunks[:1]), Path.FULL, 4))
     assert again is view, "the same views (the ones a graph was captured with) every time"
     assert meta.seq_lens[1:].tolist() == [0, 0, 0] and meta.slot_mapping[1:].tolist() == [-1, -1, -1]
     assert ptrs == [t.data_ptr() for t in (bufs.input_ids, bufs.positions, bufs.slot_mapping,

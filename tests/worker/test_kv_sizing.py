@@ -93,7 +93,7 @@ def test_profiled_step_samples_on_the_sort_path():
     lens = dummy_lengths(4096, 1024, 8)
     sched = dummy_prefill(lens, 16, 1 << 20)
     for vocab in (32, 151936):
-        md = SamplingMetadata.from_requests([s.request for s in sched.scheduled], vocab)
+        md = SamplingMetadata.from_requests([c.request for c in sched.chunks], vocab)
         assert not md.all_greedy
         assert not (md.no_top_k and md.no_top_p), "apply_top_k_top_p would skip its sort"
 
@@ -178,7 +178,7 @@ def test_profile_records_what_the_budget_needs(monkeypatch):
     assert profile.total_bytes - profile.free_bytes - profile.reserved_bytes == 3 * GIB
     prefill, decode = steps
     assert prefill.num_batched_tokens == 64, "the most tokens in one step"
-    assert len(decode.scheduled) == 4 and decode.num_batched_tokens == 4, "the most sampled rows"
+    assert len(decode.chunks) == 4 and decode.num_batched_tokens == 4, "the most sampled rows"
 
 
 def _anon_huge_kib() -> int:

@@ -11,7 +11,7 @@ import torch
 
 from vgraph.ops.kernels import common
 from vgraph.ops.kernels.host import wave_efficient_splits
-from vgraph.core.scheduler import SchedulerOutput
+from vgraph.worker.runner_requests import RunnerStep
 from vgraph.worker import batch as batch_module
 from vgraph.worker.batch import BatchBuilder
 from vgraph.worker.dispatch import Decision, Path, default_capture_sizes
@@ -106,7 +106,7 @@ def test_full_batches_bake_one_count_per_bucket(monkeypatch):
     builder = _builder(max_model_len=32768)
     builder._dev = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # stay on the CPU
     for contexts in ([5], [5, 3000], [20000, 7, 12]):
-        sched = SchedulerOutput([dummy_decode(1, c, 16, 4096).scheduled[0] for c in contexts])
+        sched = RunnerStep([dummy_decode(1, c, 16, 4096).chunks[0] for c in contexts])
         meta = builder.build(sched, Decision(Path.FULL, 8, len(contexts))).attn_metadata
         assert meta.max_seq_len == 32768
         assert meta.num_kv_splits == builder.kv_splits(8, 1, 32768, num_sms=H100_SMS) > 1

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from vgraph.core.request import Request
+from vgraph.worker.runner_requests import RunnerRequest as Request
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.sampler import Sampler, SamplingMetadata, apply_penalties
 

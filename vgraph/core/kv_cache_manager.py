@@ -8,7 +8,7 @@ blocks that became full (``cache_blocks``) so later requests can share them.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 from .block_pool import BlockHash, BlockPool, hash_block_tokens
 from .request import Request
@@ -18,8 +18,15 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def token_slice(request: Request, start: int, end: int) -> list[int]:
-    """``request.all_token_ids[start:end]`` without concatenating the whole sequence.
+class TokenSequence(Protocol):
+    """A prompt and the tokens generated after it (the scheduler's request, the runner's copy)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+def token_slice(request: TokenSequence, start: int, end: int) -> list[int]:
+    """``(prompt + output)[start:end]`` without concatenating the whole sequence.
 
     ``all_token_ids`` builds a new list of every token; per-step callers only need a few.
     """

@@ -5,8 +5,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-import torch
-
 from ..sampling_params import SamplingParams
 from ..structured.matcher import GrammarState
 
@@ -46,7 +44,6 @@ class Request:
     stop_reason: Optional[int | str] = None
     # Per generated token: {token_id: logprob} including the chosen token (when logprobs asked).
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
     # Mixed into the first prefix-cache block hash: requests with different salts never share KV.
     cache_salt: Optional[str] = None
     # Top-n prompt logprobs this sequence computes (None: none). The engine sets it on the first
@@ -61,8 +58,6 @@ class Request:
     grammar: Optional[GrammarState] = None
 
     def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         if self.num_prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [None]
 

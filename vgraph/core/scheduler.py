@@ -14,7 +14,7 @@ requests (closest to finishing, longest waited) making progress.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from ..config import CacheConfig, SchedulerConfig
@@ -22,6 +22,7 @@ from .block_pool import BlockPool
 from .kv_cache_manager import KVCacheManager, token_slice
 from .outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
 from .request import Request, RequestStatus
+from .step_plan import StepPlan, StepPlanner
 
 
 
@@ -55,11 +56,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """What one forward pass computes, in batch order."""
+    """What one forward pass computes, in batch order: the scheduler's own record (live
+    requests, read back by ``update``) and ``plan``, the plain data the runner executes."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted while building this step (now at the front of the waiting queue).
     preempted: list[Request] = field(default_factory=list)
+    plan: StepPlan = field(default_factory=StepPlan)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -88,6 +91,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.planner = StepPlanner()  # what the runner has been told, for each step's plan
 
     # -- queue management -------------------------------------------------------------------
 
@@ -145,7 +149,7 @@ class Scheduler:
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
-        return output
+        return replace(output, plan=self.planner.plan(output.scheduled))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Schedules running requests in order, preempting the newest when blocks run out."""
@@ -314,6 +318,7 @@ class Scheduler:
         """Frees a finished request's blocks and forgets it (the queues are pruned by callers)."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self.planner.forget(request.request_id)
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:

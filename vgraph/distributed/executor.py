@@ -6,8 +6,8 @@ died (gloo and NCCL wait until their timeout), and the engine must. Here the eng
 waits on pipes, together with every worker's process sentinel, so a worker that dies at any
 moment (startup, a step, a collective) is seen at once: the engine names the rank, kills the
 others (they may be stuck in a collective with the dead one) and raises ``WorkerFailed``; the
-executor then refuses every later step. It costs one pickled message per rank per step, which
-carries only what changed since the last step (mirror.py).
+executor then refuses every later step. It costs one pickled message per rank per step: the
+scheduler's plan (core/step_plan.py), which carries only what changed since the last step.
 
 The scheduler runs once, in the engine; each step is broadcast to all ranks, which build the
 same batch and run the same forward (their all-reduces meet in the middle) and the same sampler
@@ -31,10 +31,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
 
 from ..config import EngineConfig
-from ..core.scheduler import SchedulerOutput
 from ..core.outputs import ModelRunnerOutput
+from ..core.step_plan import StepPlan
+from ..structured.bitmask import GrammarMasks
 from ..worker.startup import StartupReport
-from .mirror import StepEncoder
 from .worker import COUNTERS, SHUTDOWN, STEP, WorkerArgs, WorkerInfo, worker_main
 
 logger = logging.getLogger("vgraph")
@@ -110,7 +110,6 @@ class MultiprocExecutor:
         self.compile_counters = infos[0].compile_counters
         self.compile_cache = None  # lives in the workers: one entry per rank
         self.compile_cache_folders = [info.compile_cache_folder for info in infos]
-        self._encoder = StepEncoder(self.vocab_size)
         logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
                     ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
                     threads_per_rank(self.world_size))
@@ -133,12 +132,12 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ the engine's calls
 
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """Broadcasts the step; returns rank 0's result."""
-        if not sched.scheduled:
+        if not plan.chunks:
             return ModelRunnerOutput({}, None)
         self._check_running()
-        return self._broadcast((STEP, self._encoder.encode(sched)))[0]
+        return self._broadcast((STEP, (plan, grammar_masks)))[0]
 
     def collect_compile_counters(self) -> list[Any]:
         """Every rank's CompileCounters now (None per rank when eager): recompiles are per rank."""

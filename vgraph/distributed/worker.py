@@ -22,7 +22,6 @@ import torch
 
 from ..config import EngineConfig
 from ..worker.startup import StartupReport
-from .mirror import RequestMirror, StepMessage
 from .state import destroy_tensor_parallel, init_tensor_parallel
 
 logger = logging.getLogger("vgraph")
@@ -97,11 +96,11 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
     conn.send(("ok", WorkerInfo(args.rank, os.getpid(), runner.num_blocks, runner.max_model_len,
                                 runner.vocab_size, runner.startup, runner.compile_counters,
                                 _cache_folder(runner))))
-    mirror = RequestMirror()
     while True:
         command, payload = conn.recv()
         if command == STEP:
-            conn.send(("ok", _step(runner, mirror, payload, args.rank)))
+            result = runner.execute(*payload)  # (the scheduler's plan, the grammar masks)
+            conn.send(("ok", result if args.rank == 0 else None))
         elif command == COUNTERS:
             conn.send(("ok", runner.compile_counters))
         elif command == SHUTDOWN:
@@ -109,11 +108,6 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             return
         else:
             raise RuntimeError(f"unknown command {command!r} from the engine")
-
-
-def _step(runner: Any, mirror: RequestMirror, msg: StepMessage, rank: int) -> Any:
-    result = runner.execute(mirror.apply(msg), msg.masks)
-    return result if rank == 0 else None
 
 
 def _cache_folder(runner: Any) -> Optional[str]:

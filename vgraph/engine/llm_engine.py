@@ -18,6 +18,7 @@ from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..core.outputs import PoolingState
 from ..structured.compiler import GrammarCompiler
+from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
 from ..distributed.executor import MultiprocExecutor
 from ..distributed.sharding import check_divisible
@@ -209,7 +210,9 @@ class LLMEngine:
         if not sched.scheduled:
             return EngineStep([], [], self.stats())
         first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
-        result = self.runner.execute(sched)
+        # Structured outputs' masks of the sampled rows: the grammars live here, with the scheduler.
+        masks = fill_masks([s.request.grammar for s in sched.samples], self.vocab_size)
+        result = self.runner.execute(sched.plan, masks)
         advanced = self.scheduler.update(sched, result)
         token_time = time.monotonic()
         deltas: dict[str, OutputDelta] = {}

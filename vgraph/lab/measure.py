@@ -20,10 +20,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import resolve_device
-from ..core.request import Request
-from ..core.scheduler import ScheduledRequest, SchedulerOutput
 from ..sampling_params import SamplingParams
-from ..worker.dummy import dummy_decode, dummy_prefill
+from ..worker.dummy import dummy_decode, dummy_prefill, prefill_step
+from ..worker.runner_requests import RunnerStep
 
 FIRST_REGULAR_ID = 6  # ids below are the demo tokenizer's special tokens; harmless elsewhere
 PROMPT_LENGTHS = (5, 11, 17)  # the fixed batch: three prompts, none a multiple of a block
@@ -37,17 +36,10 @@ def fixed_prompts(vocab_size: int, lengths: tuple[int, ...] = PROMPT_LENGTHS, se
     return [torch.randint(FIRST_REGULAR_ID, high, (n,), generator=gen).tolist() for n in lengths]
 
 
-def prefill_batch(prompts: list[list[int]], block_size: int) -> SchedulerOutput:
+def prefill_batch(prompts: list[list[int]], block_size: int) -> RunnerStep:
     """One step that prefills every prompt, each over its own blocks from block 0 on."""
-    scheduled, first = [], 0
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    for i, ids in enumerate(prompts):
-        req = Request(f"lab-{i}", list(ids), params)
-        count = -(-len(ids) // block_size)
-        req.block_ids = list(range(first, first + count))
-        first += count
-        scheduled.append(ScheduledRequest(req, len(ids)))
-    return SchedulerOutput(scheduled=scheduled)
+    num_blocks = sum(-(-len(ids) // block_size) for ids in prompts)
+    return prefill_step(prompts, block_size, num_blocks, SamplingParams(temperature=0.0, max_tokens=1), "lab")
 
 
 @torch.inference_mode()

@@ -18,9 +18,8 @@ import torch
 from vgraph.ops.forward_context import AttentionMetadata
 from vgraph.ops.kernels.host import sm_count, wave_efficient_splits
 
-from ..core.request import Request
-from ..core.scheduler import SchedulerOutput
 from .dispatch import Decision, Path
+from .runner_requests import RunnerRequest, RunnerStep
 
 # The token id of padding rows: any valid id works (the row writes nothing and is dropped).
 PAD_TOKEN_ID = 0
@@ -43,7 +42,7 @@ class FlatBatch:
     attn_metadata: AttentionMetadata
     # Row of the flat batch whose logits are sampled, per request that produces a token.
     sample_indices: torch.Tensor  # [S'] int64
-    sampled_requests: list[Request]  # in sample_indices order
+    sampled_requests: list[RunnerRequest]  # in sample_indices order
     num_scheduled: int  # rows before padding
     # ``sample_indices`` again when those rows are all the step uses and fewer than it runs
     # (ForwardContext.output_rows: the model's tail may then run on them alone); else None.
@@ -83,10 +82,10 @@ class BatchBuilder:
         self.num_kv_heads = num_kv_heads
         self.max_model_len = max_model_len
 
-    def build(self, sched: SchedulerOutput, decision: Decision) -> FlatBatch:
+    def build(self, step: RunnerStep, decision: Decision) -> FlatBatch:
         """Concatenates every scheduled chunk (tokens, positions, cache slots, block table
         rows), pads to ``decision.bucket``, and moves it to the device in one go per tensor."""
-        rows, sample_rows, sampled = self._rows(sched)
+        rows, sample_rows, sampled = self._rows(step)
         num_scheduled = sum(rows.q_lens)
         padding = decision.bucket - num_scheduled
         if padding < 0:
@@ -98,12 +97,12 @@ class BatchBuilder:
         meta = self._metadata(rows, decision)
         ids, positions = np.concatenate(rows.ids), np.concatenate(rows.positions)
         sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
-        output_rows = sample_indices if self._tail_on_sampled_rows(sched, decision, len(sample_rows),
+        output_rows = sample_indices if self._tail_on_sampled_rows(step, decision, len(sample_rows),
                                                                    num_scheduled) else None
         return FlatBatch(self._dev(ids), self._dev(positions), meta, sample_indices, sampled, num_scheduled,
                          output_rows)
 
-    def _tail_on_sampled_rows(self, sched: SchedulerOutput, decision: Decision, num_sampled: int,
+    def _tail_on_sampled_rows(self, step: RunnerStep, decision: Decision, num_sampled: int,
                               num_scheduled: int) -> bool:
         """Whether the sampled rows (ascending: one per request, in batch order) are all this
         step uses of the final hidden states, and fewer than its rows: a batch with prefill
@@ -111,13 +110,13 @@ class BatchBuilder:
         CUDA path has not run it yet, and its PIECEWISE graphs replay whole token buckets."""
         if self.device.type != "cpu" or decision.path is Path.FULL or num_sampled >= num_scheduled:
             return False
-        return not any(item.request.num_prompt_logprobs is not None or item.request.pooling is not None
-                       for item in sched.scheduled)
+        return not any(c.request.num_prompt_logprobs is not None or c.request.pooling_type is not None
+                       for c in step.chunks)
 
-    def _rows(self, sched: SchedulerOutput) -> tuple[_Rows, list[int], list[Request]]:
+    def _rows(self, step: RunnerStep) -> tuple[_Rows, list[int], list[RunnerRequest]]:
         rows = _Rows([], [], [], [], [], [])
         sample_rows, sampled, offset = [], [], 0
-        for item in sched.scheduled:
+        for item in step.chunks:
             req, n, start = item.request, item.num_new_tokens, item.start_position
             positions = np.arange(start, start + n, dtype=np.int64)
             blocks = np.asarray(req.block_ids, dtype=np.int64)

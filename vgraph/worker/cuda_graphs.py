@@ -35,7 +35,7 @@ from ..compiler import piecewise_graphs
 from ..compiler.capture_safety import CaptureRegion
 from ..compiler.piecewise_graphs import Phase, PiecewiseGraphs
 from ..config import CudaGraphMode
-from ..core.scheduler import SchedulerOutput
+from .runner_requests import RunnerStep
 from .batch import BatchBuilder, FlatBatch
 from .dispatch import BatchShape, Buckets, Decision, Path, choose
 from .dummy import DummySource
@@ -191,12 +191,12 @@ class ForwardRunner:
 
     # ------------------------------------------------------------------ one batch
 
-    def decide(self, sched: SchedulerOutput) -> Decision:
-        return choose(BatchShape.of_scheduled(sched), self.buckets, self.mode, self.min_forward_rows)
+    def decide(self, step: RunnerStep) -> Decision:
+        return choose(BatchShape.of_step(step), self.buckets, self.mode, self.min_forward_rows)
 
-    def build(self, sched: SchedulerOutput) -> tuple[FlatBatch, Decision]:
-        decision = self.decide(sched)
-        return self.builder.build(sched, decision), decision
+    def build(self, step: RunnerStep) -> tuple[FlatBatch, Decision]:
+        decision = self.decide(step)
+        return self.builder.build(step, decision), decision
 
     def run(self, batch: FlatBatch, decision: Decision) -> torch.Tensor:
         """Hidden states of the batch's real rows (padding dropped), or of its
@@ -262,7 +262,7 @@ class ForwardRunner:
 
     def _capture_full(self, bucket: int) -> None:
         """Over an all-padding batch of the bucket: the warm-up and capture write no KV."""
-        batch = self.builder.build(SchedulerOutput(), Decision(Path.FULL, bucket, 0))
+        batch = self.builder.build(RunnerStep(), Decision(Path.FULL, bucket, 0))
         inputs = self.decode_buffers.fill(batch)
         self.full_graphs.capture(bucket, lambda: self._forward_inputs(
             inputs.input_ids, inputs.positions, inputs.attn_metadata, None), self._persistent())

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ..config import CompileConfig, CudaGraphMode
 
 if TYPE_CHECKING:
-    from ..core.scheduler import SchedulerOutput
+    from .runner_requests import RunnerStep
 
 
 class Path(str, enum.Enum):
@@ -85,10 +85,10 @@ class BatchShape:
     uniform_decode: bool  # every sequence has exactly one new token
 
     @classmethod
-    def of_scheduled(cls, sched: "SchedulerOutput") -> "BatchShape":
-        """From a ``SchedulerOutput``, before any tensor is built: the one place a batch is
-        judged pure decode."""
-        lens = [s.num_new_tokens for s in sched.scheduled]
+    def of_step(cls, step: "RunnerStep") -> "BatchShape":
+        """From a step's chunks, before any tensor is built: the one place a batch is judged
+        pure decode."""
+        lens = [c.num_new_tokens for c in step.chunks]
         return cls(sum(lens), len(lens), bool(lens) and all(n == 1 for n in lens))
 
 

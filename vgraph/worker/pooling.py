@@ -12,22 +12,21 @@ from __future__ import annotations
 import torch
 
 from ..core.outputs import PooledChunk
-from ..core.scheduler import SchedulerOutput
+from .runner_requests import RunnerStep
 
 
-def pooled_chunks(hidden: torch.Tensor, sched: SchedulerOutput) -> dict[str, PooledChunk]:
+def pooled_chunks(hidden: torch.Tensor, step: RunnerStep) -> dict[str, PooledChunk]:
     """Each pooling request's chunk reduction, from the step's final hidden states
     (``hidden``: the scheduled rows in batch order, padding dropped), copied to the host in
     one go for the whole step."""
     chunks: dict[str, PooledChunk] = {}
     reduced: list[tuple[str, torch.Tensor]] = []  # request id -> its chunk's value, on the device
     offset = 0
-    for item in sched.scheduled:
+    for item in step.chunks:
         request, n, start = item.request, item.num_new_tokens, item.start_position
-        state = request.pooling
-        if state is not None:
+        if request.pooling_type is not None:
             chunks[request.request_id] = PooledChunk(start, n, None)
-            if state.pooling_type == "mean":
+            if request.pooling_type == "mean":
                 reduced.append((request.request_id, hidden[offset:offset + n].float().sum(dim=0)))
             elif start + n >= request.num_prompt_tokens:  # "last", in the chunk that ends the prompt
                 reduced.append((request.request_id, hidden[offset + n - 1].float()))

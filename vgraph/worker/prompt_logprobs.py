@@ -18,8 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from ..core.outputs import PromptLogprobs
-from ..core.request import Request
-from ..core.scheduler import SchedulerOutput
+from .runner_requests import RunnerRequest, RunnerStep
 
 # Rows sent through lm_head + log_softmax at once: bounds the [rows, vocab] float32 buffers
 # (1024 rows of a 152k vocabulary is 0.6 GB) whatever the prompt's length.
@@ -28,18 +27,18 @@ _ROWS_PER_SLICE = 1024
 
 @dataclass
 class _Span:
-    request: Request
+    request: RunnerRequest
     first: int  # first prompt token scored
     rows: range  # rows of the flat batch, one per token scored
 
 
-def _spans(sched: SchedulerOutput) -> list[_Span]:
+def _spans(step: RunnerStep) -> list[_Span]:
     """Which rows of this step score which prompt tokens, per request that asks."""
     spans, offset = [], 0
-    for item in sched.scheduled:
+    for item in step.chunks:
         request, n, start = item.request, item.num_new_tokens, item.start_position
         if request.num_prompt_logprobs is not None:
-            first = max(start + 1, len(request.prompt_logprobs))  # already scored: skipped
+            first = max(start + 1, item.num_prompt_logprobs_done)  # already scored: skipped
             last = min(start + n, request.num_prompt_tokens - 1)
             if first <= last:
                 spans.append(_Span(request, first, range(offset + first - 1 - start, offset + last - start)))
@@ -47,12 +46,12 @@ def _spans(sched: SchedulerOutput) -> list[_Span]:
     return spans
 
 
-def compute_prompt_logprobs(hidden: torch.Tensor, sched: SchedulerOutput,
+def compute_prompt_logprobs(hidden: torch.Tensor, step: RunnerStep,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor]
                             ) -> Optional[dict[str, PromptLogprobs]]:
     """Per request that asks: the prompt tokens this step scores, as ``{token: logprob}`` with
     the prompt token first and then the top ``num_prompt_logprobs``. None if nobody asks."""
-    spans = _spans(sched)
+    spans = _spans(step)
     if not spans:
         return None
     rows = torch.tensor([r for span in spans for r in span.rows], dtype=torch.int64)

@@ -23,8 +23,8 @@ from vgraph.ops import build_cpu_kernels
 
 from ..compiler.counters import CompileCounters
 from ..config import CudaGraphMode, EngineConfig
-from ..core.scheduler import SchedulerOutput
-from ..structured.bitmask import GrammarMasks, fill_masks
+from ..core.step_plan import StepPlan
+from ..structured.bitmask import GrammarMasks
 from ..models.loader import load_model
 from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
@@ -34,6 +34,7 @@ from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
+from .runner_requests import RunnerRequests, RunnerStep
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
 
@@ -67,6 +68,7 @@ class ModelRunner:
         self.vocab_size = m.vocab_size
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
+        self.requests = RunnerRequests()  # the runner's copy of every planned, unfinished request
         self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
         min_forward_rows = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
@@ -205,27 +207,22 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
-        """One step. ``grammar_masks``: the structured-output masks of the sampled rows when the
-        requests' grammars live elsewhere (a tensor-parallel worker gets them from the engine);
-        otherwise they are filled here from the requests."""
-        return self._step(self.graphs, sched, grammar_masks)
+    def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
+        """One step of the scheduler's plan. ``grammar_masks``: the structured-output masks of
+        the sampled rows, in batch order (the engine owns the grammars and fills them)."""
+        return self._step(self.graphs, self.requests.apply(plan), grammar_masks)
 
-    def _step(self, graphs: ForwardRunner, sched: SchedulerOutput,
-              grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
+    def _step(self, graphs: ForwardRunner, step: RunnerStep,
+              masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
         same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
         (worker/pooling.py) for the requests that ask."""
-        if not sched.scheduled:
+        if not step.chunks:
             return ModelRunnerOutput({}, None)
-        batch, decision = graphs.build(sched)
-        # Structured outputs' masks, on the host before the forward (on a GPU, while it runs).
-        masks = grammar_masks
-        if masks is None:
-            masks = fill_masks([r.grammar for r in batch.sampled_requests], self.vocab_size)
+        batch, decision = graphs.build(step)
         rows = graphs.run(batch, decision)
-        prompt_logprobs = compute_prompt_logprobs(rows, sched, self.model.compute_logits)
-        pooled = pooled_chunks(rows, sched) or None
+        prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits)
+        pooled = pooled_chunks(rows, step) or None
         if not batch.sampled_requests:
             return ModelRunnerOutput({}, None, prompt_logprobs, pooled)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))

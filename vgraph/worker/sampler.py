@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..core.request import Request
+from .runner_requests import RunnerRequest
 from ..structured.bitmask import GrammarMasks, apply_masks
 
 
@@ -53,7 +53,7 @@ def _token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
     return counts[:, :vocab_size]
 
 
-def _min_tokens_ban(request: Request, vocab_size: int) -> list[int]:
+def _min_tokens_ban(request: RunnerRequest, vocab_size: int) -> list[int]:
     """Token ids a row may not produce yet: stop ids, plus EOS unless ``ignore_eos``.
 
     With ``ignore_eos`` the EOS token does not end the request, so it is an ordinary token and
@@ -120,7 +120,7 @@ class SamplingMetadata:
     grammar_bitmask: Optional[torch.Tensor] = None  # [G, ceil(V / 32)] int32
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int,
+    def from_requests(cls, requests: list[RunnerRequest], vocab_size: int,
                       device: torch.device | str = "cpu",
                       masks: Optional[GrammarMasks] = None) -> "SamplingMetadata":
         """Gathers the batch's parameters into tensors on ``device``, one row per request
@@ -174,7 +174,7 @@ def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _min_tokens_indices(requests: list[Request], vocab_size: int, device: torch.device | str
+def _min_tokens_indices(requests: list[RunnerRequest], vocab_size: int, device: torch.device | str
                         ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Flattened (row, token) pairs of every id banned by min_tokens in this batch."""
     rows: list[int] = []

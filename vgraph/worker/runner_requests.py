@@ -1,0 +1,101 @@
+"""The runner's own copy of the requests the scheduler has planned, and one step's chunks over
+them: what the batch builder, the sampler, prompt logprobs and pooling read.
+
+The scheduler's ``StepPlan`` (core/step_plan.py) sends a request's fixed parts once and then
+only what changed; ``RunnerRequests.apply`` folds each plan in and returns the step. Every
+tensor-parallel rank does the same with the same plan, so the ranks need nothing else. The
+seeded generator lives here, with the sampler that draws from it, and survives preemption (a
+recompute samples nothing it sampled before).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..core.kv_cache_manager import token_slice
+from ..core.step_plan import PlannedChunk, PlannedRequest, StepPlan
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequest:
+    """One sequence as the runner knows it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    num_prompt_logprobs: Optional[int] = None
+    pooling_type: Optional[str] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @classmethod
+    def planned(cls, p: PlannedRequest) -> "RunnerRequest":
+        return cls(p.request_id, list(p.prompt_token_ids), p.sampling_params, p.eos_token_ids,
+                   p.num_prompt_logprobs, p.pooling_type)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class RunnerChunk:
+    """One request's share of a step: ``num_new_tokens`` tokens at positions ``start_position..``."""
+
+    request: RunnerRequest
+    num_new_tokens: int
+    start_position: int
+    produces_token: bool  # samples the next token after its last row
+    num_prompt_logprobs_done: int = 0  # prompt tokens already scored (prompt logprobs requests)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return token_slice(self.request, self.start_position, self.start_position + self.num_new_tokens)
+
+
+@dataclass(frozen=True)
+class RunnerStep:
+    """One forward pass's chunks, in batch order."""
+
+    chunks: list[RunnerChunk] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class RunnerRequests:
+    """Every request the scheduler has planned and not yet finished, by id."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, RunnerRequest] = {}
+
+    def apply(self, plan: StepPlan) -> RunnerStep:
+        for request_id in plan.forget:
+            self.requests.pop(request_id, None)
+        for p in plan.new:
+            self.requests[p.request_id] = RunnerRequest.planned(p)
+        return RunnerStep([self._advance(c) for c in plan.chunks])
+
+    def _advance(self, c: PlannedChunk) -> RunnerChunk:
+        req = self.requests[c.request_id]
+        req.output_token_ids.extend(c.new_output_tokens)
+        del req.block_ids[c.blocks_from:]
+        req.block_ids.extend(c.new_blocks)
+        if c.start_position + c.num_new_tokens > req.num_tokens:
+            raise RuntimeError(f"request {c.request_id}: the runner's copy is out of step with the scheduler's "
+                               f"({req.num_tokens} tokens, chunk {c.start_position}+{c.num_new_tokens})")
+        return RunnerChunk(req, c.num_new_tokens, c.start_position, c.produces_token, c.num_prompt_logprobs_done)
