@@ -34,7 +34,6 @@ ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
 READY, STARTUP_FAILED, ACCEPTED, STEP, FATAL = "ready", "startup_failed", "accepted", "step", "fatal"
 
 _SAMPLING, _POOLING = "s", "p"
-_GENERATION, _EMBEDDING = "g", "e"
 
 
 def pack(message: list) -> bytes:
@@ -98,19 +97,19 @@ def decode_timing(data: list) -> RequestTiming:
 
 # ---------------------------------------------------------------------------- outputs
 
+# Every field by position, so a field added to a delta crosses the process with no edit here.
+_DELTA_FIELDS = [f.name for f in dataclasses.fields(OutputDelta) if f.name != "sequences"]
+_SEQUENCE_FIELDS = [f.name for f in dataclasses.fields(SequenceDelta)]
+
+
 def encode_delta(delta: OutputDelta) -> list:
-    if delta.embedding is not None:
-        return [_EMBEDDING, delta.request_id, list(delta.embedding)]
-    seqs = [[s.index, s.new_token_ids, s.new_logprobs, s.finish_reason, s.stop_reason]
-            for s in delta.sequences]
-    return [_GENERATION, delta.request_id, seqs, delta.num_cached_tokens, delta.prompt_logprobs]
+    seqs = [[getattr(s, name) for name in _SEQUENCE_FIELDS] for s in delta.sequences]
+    return [seqs, *(getattr(delta, name) for name in _DELTA_FIELDS)]
 
 
 def decode_delta(data: list) -> OutputDelta:
-    if data[0] == _EMBEDDING:
-        return OutputDelta(data[1], embedding=data[2])
-    _, request_id, seqs, num_cached, prompt_logprobs = data
-    return OutputDelta(request_id, [SequenceDelta(*s) for s in seqs], num_cached, prompt_logprobs)
+    seqs, *values = data
+    return OutputDelta(sequences=[SequenceDelta(*s) for s in seqs], **dict(zip(_DELTA_FIELDS, values)))
 
 
 # ---------------------------------------------------------------------------- errors
