@@ -39,7 +39,7 @@ def make_adapter(base_path: str, out_dir: str | os.PathLike, seed: int, rank: in
 def cached_adapter(base_path: str, root: str, seed: int, rank: int = 8, alpha: float = 16,
                    targets: tuple[str, ...] = ALL_MODULES, use_rslora: bool = False) -> str:
     """``make_adapter`` once per process for the same arguments (tests share adapters)."""
-    name = f"lora-s{seed}-r{rank}-a{alpha}-{'-'.join(targets)}{'-rs' if use_rslora else ''}"
+    name = f"lora-{Path(base_path).name}-s{seed}-r{rank}-a{alpha}-{'-'.join(targets)}{'-rs' if use_rslora else ''}"
     return make_adapter(base_path, Path(root) / name, seed, rank, alpha, targets, use_rslora)
 
 
