@@ -61,14 +61,17 @@ def _context(model, lengths) -> ForwardContext:
     return ForwardContext(meta, caches, model.softmax_scale)
 
 
-def _batch_logits(model, forward, prompts, row_slots: list[int]) -> torch.Tensor:
-    """Logits of every row of the flat batch; ``row_slots[i]`` is prompt i's slot."""
+def _batch_logits(model, forward, prompts, row_slots: list[int], output_rows=None) -> torch.Tensor:
+    """Logits of every row of the flat batch (or of ``output_rows``, which the compiled
+    row-wise tail then runs alone); ``row_slots[i]`` is prompt i's slot."""
     lengths = [p.shape[0] for p in prompts]
     ids = torch.cat(prompts)
     positions = torch.cat([torch.arange(n) for n in lengths])
     model.set_lora_token_slots(torch.cat([torch.full((n,), s, dtype=torch.int32)
                                           for n, s in zip(lengths, row_slots)]))
-    with torch.no_grad(), set_forward_context(_context(model, lengths)):
+    ctx = _context(model, lengths)
+    ctx.output_rows = output_rows
+    with torch.no_grad(), set_forward_context(ctx):
         return model.compute_logits(forward(ids, positions))
 
 
@@ -122,6 +125,33 @@ def test_compiled_model_swaps_adapters_without_recompiling():
     _check_rows("llama", _batch_logits(model, compiled, prompts, third), [0, None, 2, 0])
     assert frames["stats"]["unique_graphs"] == 1
     assert {name: buf.data_ptr() for name, buf in model.named_buffers()} == buffers
+
+
+def test_vgraph_compile_path_swaps_adapters_without_recompiling():
+    """The project's compiled forward (the compile ladder: Dynamo, split at attention, Inductor
+    pieces, the captured graph called directly) with adapters swapped between calls; the last
+    call samples one row per prompt, so the row-wise tail piece runs on those rows and their
+    slots alone."""
+    from vgraph.compiler.build import build_forward
+    from vgraph.config import EngineConfig
+    from vgraph.models.loader import load_hf_config
+    model, slots = _lora_model("llama", max_loras=2)
+    path = tiny_checkpoint(arch="llama")
+    forward = build_forward(model, EngineConfig(model=ModelConfig(path, dtype="float32"), device="cpu"),
+                            load_hf_config(path), torch.device("cpu"))
+    requests, prompts = _requests("llama"), _prompts()
+    with torch.inference_mode():
+        _check_rows("llama", _batch_logits(model, forward, prompts, slots.prepare(
+            [requests[0], requests[1], None, None])), [0, 1, None, None])
+        compiled = (forward.counters.graphs_seen, forward.counters.inductor_compilations)
+        _check_rows("llama", _batch_logits(model, forward, prompts, slots.prepare(
+            [None, requests[2], requests[1], None])), [None, 2, 1, None])
+        last = torch.tensor(LENGTHS).cumsum(0) - 1
+        sampled = _batch_logits(model, forward, prompts, slots.prepare(
+            [requests[1], None, requests[2], requests[1]]), output_rows=last)
+    assert (forward.counters.graphs_seen, forward.counters.inductor_compilations) == compiled == (1, compiled[1])
+    for i, adapter in enumerate([1, None, 2, 1]):
+        torch.testing.assert_close(sampled[i], _oracle("llama", adapter, i)[-1], atol=ATOL, rtol=0)
 
 
 def test_without_lora_the_model_has_no_lora_state():
