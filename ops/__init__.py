@@ -23,6 +23,7 @@ from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_
 from .kernels.host import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from .kv_cache import reshape_and_cache
 from .linear import packed_linear
+from .lora import lora_add
 from .norm import fused_add_rms_norm, rms_norm
 from .unified_attention import unified_attention
 
@@ -46,6 +47,6 @@ __all__ = [
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
     "all_reduce_fused_add_rms_norm", "all_reduce_fused_add_rms_norm_static_fp8_quant",
-    "reshape_and_cache", "packed_linear", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
+    "reshape_and_cache", "packed_linear", "lora_add", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "build_cpu_kernels",
 ]

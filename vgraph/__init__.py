@@ -26,11 +26,12 @@ _LAZY = {
     "LLMEngine": ("vgraph.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("vgraph.engine.outputs", "RequestOutput"),
     "EngineConfig": ("vgraph.config", "EngineConfig"),
+    "LoRARequest": ("vgraph.lora.request", "LoRARequest"),
     "PoolingParams": ("vgraph.pooling_params", "PoolingParams"),
     "EmbeddingRequestOutput": ("vgraph.engine.outputs", "EmbeddingRequestOutput"),
 }
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams",
-           "PoolingParams", "RequestOutput", "EmbeddingRequestOutput", "EngineConfig", "ops", "passes"]
+           "PoolingParams", "RequestOutput", "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "ops", "passes"]
 
 
 def __getattr__(name: str) -> Any:

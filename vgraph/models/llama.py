@@ -39,6 +39,9 @@ from vgraph.ops.linear import packing_enabled
 from ..distributed.collectives import all_gather_last_dim, all_reduce
 from ..distributed.sharding import check_divisible, shard_for_rank, vocab_range, vocab_rows
 from ..distributed.state import TPGroup
+from ..lora.adapter import LoRATargets
+from ..lora.config import LoRAConfig
+from ..lora.layers import LoRAProjection
 
 from .linear import Linear, MergedLinear, empty_parameter, pack_linears, unpack_linears
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, fp8_linear_from
@@ -128,6 +131,16 @@ class LayerOptions:
     use_custom_ops: bool = True
     quant: Optional[Fp8Config] = None
     tp: TPGroup = field(default_factory=TPGroup)
+    lora: Optional[LoRAConfig] = None  # None: no LoRA buffers, no LoRA op, the graph as without
+
+
+def make_lora(opts: LayerOptions, in_features: int, slices: list[tuple[str, int]]) -> Optional[LoRAProjection]:
+    """The adapter slots beside a projection (``slices``: HF module names and output sizes in
+    the projection's output order), or None when the model is built without LoRA."""
+    if opts.lora is None:
+        return None
+    return LoRAProjection(in_features, slices, opts.lora.max_loras, opts.lora.max_lora_rank,
+                          opts.dtype, opts.device)
 
 
 def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[tuple[str, int]],
@@ -207,23 +220,32 @@ class Attention(nn.Module):
         self.qkv_proj = make_linear(opts, spec.hidden_size, [("q", self.q_size), ("k", self.kv_size),
                                                              ("v", self.kv_size)], spec.qkv_bias)
         self.o_proj = make_linear(opts, self.q_size, spec.hidden_size, spec.o_bias)
+        self.qkv_lora = make_lora(opts, spec.hidden_size, [("q_proj", self.q_size), ("k_proj", self.kv_size),
+                                                           ("v_proj", self.kv_size)])
+        self.o_lora = make_lora(opts, self.q_size, [("o_proj", spec.hidden_size)])
         self.q_norm: Optional[RMSNorm] = None
         self.k_norm: Optional[RMSNorm] = None
         if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
 
-    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor) -> Tensor:
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, lora_slots: Optional[Tensor] = None) -> Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if self.qkv_lora is not None:
+            qkv = self.qkv_lora(hidden, qkv, lora_slots)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
-        out = torch.ops.vgraph.unified_attention(q, k, v, self.layer_idx)
-        return all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)), self.tp)
+        out = torch.ops.vgraph.unified_attention(q, k, v, self.layer_idx).reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)
+        if self.o_lora is not None:
+            projected = self.o_lora(out, projected, lora_slots)
+        return all_reduce(projected, self.tp)
 
 
 class MLP(nn.Module):
@@ -235,12 +257,21 @@ class MLP(nn.Module):
         self.gate_up_proj = make_linear(opts, spec.hidden_size, [("gate", size), ("up", size)],
                                         spec.mlp_bias)
         self.down_proj = make_linear(opts, size, spec.hidden_size, spec.mlp_bias)
+        self.gate_up_lora = make_lora(opts, spec.hidden_size, [("gate_proj", size), ("up_proj", size)])
+        self.down_lora = make_lora(opts, size, [("down_proj", spec.hidden_size)])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, lora_slots: Optional[Tensor] = None) -> Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            gate_up = self.gate_up_lora(x, gate_up, lora_slots)
         if self.use_custom_ops:
-            return all_reduce(self.down_proj(torch.ops.vgraph.silu_and_mul(gate_up)), self.tp)
-        return all_reduce(self.down_proj(silu_and_mul_reference(gate_up)), self.tp)
+            act = torch.ops.vgraph.silu_and_mul(gate_up)
+        else:
+            act = silu_and_mul_reference(gate_up)
+        down = self.down_proj(act)
+        if self.down_lora is not None:
+            down = self.down_lora(act, down, lora_slots)
+        return all_reduce(down, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -251,17 +282,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
 
-    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor,
-                residual: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        """Pre-norm block on a carried residual stream: the add rides in the next norm."""
+    def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, residual: Optional[Tensor],
+                lora_slots: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Pre-norm block on a carried residual stream: the add rides in the next norm.
+        ``lora_slots``: each row's adapter slot, when the model is built with LoRA."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden)
+        hidden = self.self_attn(rope, hidden, lora_slots)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora_slots), residual
 
 
 class LlamaModel(nn.Module):
@@ -271,12 +303,23 @@ class LlamaModel(nn.Module):
         self.rotary_emb = rotary
         self.layers = nn.ModuleList(DecoderLayer(spec, i, opts) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
+        # Each row's LoRA slot (-1: none), filled in place before a forward (set_lora_token_slots
+        # of the causal LM). A buffer, so the compiled graph reads it as an input at a fixed
+        # address; its first T entries are sliced in the graph, so they carry the token
+        # dimension like the activations (a row-wise tail piece gets the sampled rows' slots).
+        slots = None
+        if opts.lora is not None:
+            slots = torch.full((opts.lora.max_num_tokens,), -1, dtype=torch.int32, device=opts.device)
+        self.register_buffer("lora_token_slots", slots, persistent=False)
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, hidden.dtype)  # gathered once, used by every layer
+        lora_slots = None
+        if self.lora_token_slots is not None:
+            lora_slots = self.lora_token_slots[:input_ids.shape[0]]
         for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual)
+            hidden, residual = layer(rope, hidden, residual, lora_slots)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -311,13 +354,18 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: Optional[int] = None, use_custom_ops: bool = True,
-                 quant_config: Optional[Fp8Config] = None, tp: Optional[TPGroup] = None) -> None:
+                 quant_config: Optional[Fp8Config] = None, tp: Optional[TPGroup] = None,
+                 lora_config: Optional[LoRAConfig] = None) -> None:
         super().__init__()
         check_supported(hf_config, max_model_len)
         spec = arch_spec(hf_config)
         self.spec = spec
         self.tp = tp or TPGroup()
         n = self.tp.world_size
+        if lora_config is not None and self.tp.is_parallel:
+            raise ValueError("LoRA under tensor parallelism is not supported yet (adapters would need "
+                             "sharding like their base layers); run LoRA with tensor_parallel_size=1")
+        self.lora_config = lora_config
         check_divisible(n, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
         local = replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n,
                         intermediate_size=spec.intermediate_size // n)
@@ -331,7 +379,7 @@ class LlamaForCausalLM(nn.Module):
         self._static_fp8 = quant_config is not None and quant_config.static_activations
         max_position = max(hf_config.max_position_embeddings, max_model_len or 0)
         rotary = RotaryEmbedding(spec.head_dim, max_position, rope_parameters(hf_config), device)
-        opts = LayerOptions(dtype, device, use_custom_ops, quant_config, self.tp)
+        opts = LayerOptions(dtype, device, use_custom_ops, quant_config, self.tp, lora_config)
         self.model = LlamaModel(local, rotary, opts)
         # Never quantized: the output distribution is most sensitive to its precision.
         self.lm_head = Linear(spec.hidden_size, vocab_rows(spec.vocab_size, n), False, dtype, device)
@@ -344,6 +392,34 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
+
+    def lora_targets(self) -> LoRATargets:
+        """The projections an adapter may target, with their full (in, out) shapes."""
+        s = self.spec
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        return LoRATargets(s.num_layers, {
+            "q_proj": (s.hidden_size, q), "k_proj": (s.hidden_size, kv), "v_proj": (s.hidden_size, kv),
+            "o_proj": (q, s.hidden_size), "gate_proj": (s.hidden_size, s.intermediate_size),
+            "up_proj": (s.hidden_size, s.intermediate_size), "down_proj": (s.intermediate_size, s.hidden_size)})
+
+    def lora_projections(self) -> list[tuple[int, LoRAProjection]]:
+        """(layer index, slots) of every adapted projection; empty without LoRA."""
+        return [(i, module) for i, layer in enumerate(self.model.layers)
+                for module in (layer.self_attn.qkv_lora, layer.self_attn.o_lora, layer.mlp.gate_up_lora,
+                               layer.mlp.down_lora) if module is not None]
+
+    @torch.no_grad()
+    def set_lora_token_slots(self, slots: Tensor) -> None:
+        """Sets the next forward's LoRA slot of each row (-1: none); rows past ``slots`` (a
+        padded bucket's) get -1. Copies in place: the buffer's address never changes."""
+        buffer = self.model.lora_token_slots
+        if buffer is None:
+            raise RuntimeError("this model was built without LoRA (lora_config=None)")
+        if slots.dim() != 1 or slots.shape[0] > buffer.shape[0]:
+            raise ValueError(f"LoRA token slots must be 1-D with at most max_num_tokens="
+                             f"{buffer.shape[0]} rows, got shape {tuple(slots.shape)}")
+        buffer[:slots.shape[0]].copy_(slots)
+        buffer[slots.shape[0]:].fill_(-1)
 
     def compute_logits(self, hidden_states: Tensor) -> Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (only the rows the sampler needs). Under

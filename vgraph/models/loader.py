@@ -23,6 +23,7 @@ from torch import nn
 from vgraph.config import ModelConfig, resolve_dtype
 
 from ..distributed.state import tp_group
+from ..lora.config import LoRAConfig
 from .checkpoint_record import (CheckpointRecords, ModelConfigView, config_view, record_tokenizer,
                                 recorded_tokenizer)
 from .quantization import Fp8Config, Fp8Linear, Fp8MergedLinear, quantize_weight, resolve_quantization
@@ -172,8 +173,8 @@ def checkpoint_dtype(hf_config: Any) -> Optional[torch.dtype]:
     return value if isinstance(value, torch.dtype) else None
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str,
-               use_custom_ops: bool = True) -> tuple[nn.Module, Any, LoadStats]:
+def load_model(model_config: ModelConfig, device: torch.device | str, use_custom_ops: bool = True,
+               lora_config: Optional[LoRAConfig] = None) -> tuple[nn.Module, Any, LoadStats]:
     """Builds the model for ``model_config.model`` on ``device`` and loads its weights.
 
     With ``model_config.load_format == "dummy"`` no weights are read: the parameters are
@@ -182,7 +183,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     generate). Under tensor parallelism (``tp_group()`` of more than one rank) the model holds this
     rank's shard, cut from each checkpoint tensor as it streams in. Quantization follows ``model_config.quantization`` unless the checkpoint is
     itself fp8, which then decides (see quantization.resolve_quantization); an unsupported
-    value raises ValueError before anything is built.
+    value raises ValueError before anything is built. ``lora_config`` builds the model with
+    LoRA adapter slots (vgraph/lora); without it the model is exactly the plain one.
     """
     start = time.perf_counter()
     path = resolve_model_path(model_config.model, model_config.revision)
@@ -190,8 +192,9 @@ def load_model(model_config: ModelConfig, device: torch.device | str,
     model_cls = get_model_class(hf_config.architectures)
     quant = resolve_quantization(model_config.quantization, hf_config)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
+    extra = {"lora_config": lora_config} if lora_config is not None else {}  # LoRA: see vgraph/lora
     model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len,
-                      use_custom_ops=use_custom_ops, quant_config=quant, tp=tp_group())
+                      use_custom_ops=use_custom_ops, quant_config=quant, tp=tp_group(), **extra)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, model_config.seed)
     else:
