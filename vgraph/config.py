@@ -364,6 +364,29 @@ class ParallelConfig:
         return replace(self, distributed_backend=wanted)
 
 
+@dataclass(frozen=True)
+class LoRASettings:
+    """Multi-LoRA serving (vgraph/lora/): PEFT adapters in ``max_loras`` fixed slots beside the
+    projections, chosen per request. Off by default: without it the model and its graphs are
+    exactly the plain ones."""
+
+    enable_lora: bool = field(default=False, metadata=cli(
+        "serve LoRA adapters (per request: lora_request offline, the model name or --lora-modules when served)"))
+    max_loras: int = field(default=1, metadata=cli(
+        "LoRA adapters resident at once (slots); a step runs at most this many different adapters"))
+    max_lora_rank: int = field(default=16, metadata=cli("largest LoRA rank an adapter may have"))
+    max_cpu_loras: Optional[int] = field(default=None, metadata=cli(
+        "LoRA adapters kept loaded in host memory, least recently used dropped first (default: max_loras)"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+
 def _loaded_passes(passes: list) -> list:
     """Specs loaded into passes (a bad spec or position is a ValueError naming it); imported
     here, not at module level, so a config without passes never imports the pass library."""
@@ -381,6 +404,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRASettings = field(default_factory=LoRASettings)
     device: str = field(default="auto", metadata=cli("auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     max_logprobs: int = field(default=20, metadata=cli("largest logprobs / top_logprobs a request may ask"))
 
@@ -430,6 +454,15 @@ class EngineConfig:
         return torch.device(self.device)
 
     @property
+    def max_forward_rows(self) -> int:
+        """The most rows one forward can carry, padding included: the step's token budget, a
+        decode of every seat (memory profiling runs one), or the compiled forward's minimum."""
+        s = self.scheduler
+        if s.max_num_batched_tokens is None:
+            raise ValueError("max_num_batched_tokens is not resolved yet (EngineConfig.resolved)")
+        return max(s.max_num_batched_tokens, s.max_num_seqs, self.compile.min_forward_rows)
+
+    @property
     def max_model_len(self) -> int:
         """The resolved sequence limit (prompt + output)."""
         if self.model.max_model_len is None:
@@ -457,7 +490,8 @@ class EngineConfig:
         return cls(model=ModelConfig(model=model, **parts["model"]), cache=CacheConfig(**parts["cache"]),
                    scheduler=SchedulerConfig(**parts["scheduler"]),
                    compile=compile_config or CompileConfig(**parts["compile"]),
-                   parallel=ParallelConfig(**parts["parallel"]), **parts["engine"])
+                   parallel=ParallelConfig(**parts["parallel"]), lora=LoRASettings(**parts["lora"]),
+                   **parts["engine"])
 
 
 def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
@@ -479,7 +513,8 @@ def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
 # ``ModelConfig.model`` is the positional argument; the section fields of EngineConfig are
 # the sections themselves.
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                             "compile": CompileConfig, "parallel": ParallelConfig, "engine": EngineConfig}
+                             "compile": CompileConfig, "parallel": ParallelConfig, "lora": LoRASettings,
+                             "engine": EngineConfig}
 _ARGUMENTS = [(f.name, section) for section, kind in SECTIONS.items() for f in fields(kind)
               if f.name not in SECTIONS]
 FIELD_SECTION: dict[str, str] = dict(_ARGUMENTS)

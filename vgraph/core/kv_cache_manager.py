@@ -145,7 +145,7 @@ class KVCacheManager:
         size = self.block_size
         for index in range(len(hashes), num_blocks):
             parent = hashes[-1] if hashes else None
-            salt = request.cache_salt.encode() if index == 0 and request.cache_salt else None
+            salt = request.prefix_salt if index == 0 else None
             tokens = token_slice(request, index * size, (index + 1) * size)
             hashes.append(hash_block_tokens(parent, tokens, salt))
         return hashes

@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 from ..structured.matcher import GrammarState
 
@@ -56,10 +57,23 @@ class Request:
     pooling: Optional["PoolingState"] = None
     # Structured outputs: this sequence's matcher, advanced by the scheduler on each new token.
     grammar: Optional[GrammarState] = None
+    # The LoRA adapter this sequence runs with (None: the base model).
+    lora_request: Optional[LoRARequest] = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [None]
+
+    @property
+    def lora_id(self) -> Optional[int]:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def prefix_salt(self) -> Optional[bytes]:
+        """Mixed into the first block's hash: requests with different cache salts, or run with
+        different adapters (whose KV differs for the same tokens), never share cached blocks."""
+        parts = [p for p in (self.cache_salt, None if self.lora_id is None else f"lora:{self.lora_id}") if p]
+        return "\x00".join(parts).encode() if parts else None
 
     @property
     def prefill_only(self) -> bool:

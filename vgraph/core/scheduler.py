@@ -6,6 +6,10 @@ chunked prefill takes what is left of its prompt up to the remaining budget. Wai
 are admitted FIFO with whatever budget and seats remain, starting from their cached prefix and
 splitting long prompts into chunks. Decodes and prefill chunks share one mixed batch.
 
+With LoRA, the running requests use at most ``max_loras`` different adapters (the model's
+slots): a waiting request whose adapter would be one too many waits, and those behind it that
+fit are admitted past it (in their order).
+
 When a running request cannot get a block, the newest running request is preempted by
 recompute: its blocks are freed and it returns to the front of the waiting queue, to re-run its
 prompt and the tokens it already generated as a prefill. Newest-first keeps the oldest
@@ -78,7 +82,7 @@ class Scheduler:
     """Decides each step's batch and folds the sampled tokens back into the requests."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int) -> None:
+                 num_blocks: int, max_model_len: int, max_loras: Optional[int] = None) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -92,6 +96,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.planner = StepPlanner()  # what the runner has been told, for each step's plan
+        self.max_loras = max_loras  # different adapters the running requests may use (None: no LoRA)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -187,9 +192,15 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        """Admits waiting requests FIFO while budget, seats and blocks last."""
+        """Admits waiting requests FIFO while budget, seats and blocks last (past those whose
+        adapter does not fit the slots, which keep their place)."""
+        passed: list[Request] = []
+        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self._adapter_fits(request, adapters):
+                passed.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = ([], 0) if request.skips_prefix_cache else \
                 self.kv_cache_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
@@ -203,6 +214,15 @@ class Scheduler:
             self._admit(request, num_hit_tokens)
             output.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+            if request.lora_id is not None:
+                adapters.add(request.lora_id)
+        self.waiting.extendleft(reversed(passed))
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """Whether ``request`` may join running requests that use ``adapters``."""
+        lora_id = request.lora_id
+        return (lora_id is None or self.max_loras is None or lora_id in adapters
+                or len(adapters) < self.max_loras)
 
     def _may_chunk(self, num_new: int) -> bool:
         """Without chunked prefill a prompt runs whole; a preempted request whose prompt plus

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class PlannedRequest:
     eos_token_ids: frozenset[int] = frozenset()
     num_prompt_logprobs: Optional[int] = None
     pooling_type: Optional[str] = None  # "mean" | "last" for a pooling (embedding) request
+    lora_request: Optional[LoRARequest] = None  # its adapter (None: the base model)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,8 @@ class StepPlanner:
         if seen is None:
             new.append(PlannedRequest(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                                       req.eos_token_ids, req.num_prompt_logprobs,
-                                      None if req.pooling is None else req.pooling.pooling_type))
+                                      None if req.pooling is None else req.pooling.pooling_type,
+                                      req.lora_request))
             seen = self._seen[req.request_id] = _Seen()
         keep = seen.num_blocks if req.num_preemptions == seen.num_preemptions else 0
         chunk = PlannedChunk(req.request_id, item.num_new_tokens, item.start_position, item.produces_token,

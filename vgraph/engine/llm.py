@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence, Union
 from tqdm.auto import tqdm
 
 from ..config import CompileConfig, EngineConfig
+from ..lora.request import LoRARequest
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .inputs import PromptType, prompt_to_ids, template_supports_tools
@@ -60,10 +61,14 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """One finished ``RequestOutput`` per prompt, in the order given."""
+                 use_tqdm: bool = True,
+                 lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]] = None
+                 ) -> list[RequestOutput]:
+        """One finished ``RequestOutput`` per prompt, in the order given. ``lora_request``: the
+        adapter every prompt runs with, or one per prompt (None: the base model)."""
         prompts = self._as_list(prompts)
-        return self._submit_and_run(prompts, self._params_for(prompts, sampling_params), use_tqdm)
+        return self._submit_and_run(prompts, self._params_for(prompts, sampling_params), use_tqdm,
+                                    _per_prompt(lora_request, len(prompts)))
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
               pooling_params: Optional[PoolingParams] = None,
@@ -77,12 +82,13 @@ class LLM:
         return self._submit_and_run(prompts, [params] * len(prompts), use_tqdm)
 
     def _submit_and_run(self, prompts: list, params: Sequence[Union[SamplingParams, PoolingParams]],
-                        use_tqdm: bool) -> list:
+                        use_tqdm: bool, lora_requests: Optional[Sequence[Optional[LoRARequest]]] = None) -> list:
         ids = []
+        loras = lora_requests or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                self.add_request(rid, prompt, p, OutputKind.FINAL_ONLY)
+                self.add_request(rid, prompt, p, OutputKind.FINAL_ONLY, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.abort_request(ids)  # nothing half-submitted stays in the engine
@@ -92,11 +98,13 @@ class LLM:
     # ------------------------------------------------------------------ stepping by hand
 
     def add_request(self, request_id: str, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
-                    kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None) -> None:
+                    kind: OutputKind = OutputKind.CUMULATIVE, arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
         """Submits one request to be stepped with ``step`` (``generate`` does both); ``kind``
         says which outputs ``step`` returns for it. A bad request raises ValueError."""
         text, token_ids = prompt_to_ids(prompt, self.engine.tokenizer)
-        self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params, arrival_time)
+        self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params, arrival_time,
+                                lora_request)
         self.outputs.add(request_id, text, token_ids, params, kind)
 
     def step(self) -> StepOutput:
@@ -173,3 +181,18 @@ class LLM:
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _per_prompt(lora_request: Union[None, LoRARequest, Sequence[Optional[LoRARequest]]],
+                num_prompts: int) -> Optional[list[Optional[LoRARequest]]]:
+    """One adapter (or None) per prompt, from one for all or a list of them."""
+    if lora_request is None:
+        return None
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"{len(loras)} lora requests for {num_prompts} prompts")
+    if not all(r is None or isinstance(r, LoRARequest) for r in loras):
+        raise TypeError("lora_request must be a LoRARequest, None, or a list of them (one per prompt)")
+    return loras

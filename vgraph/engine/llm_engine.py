@@ -22,6 +22,7 @@ from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
 from ..distributed.executor import MultiprocExecutor
 from ..distributed.sharding import check_divisible
+from ..lora.request import LoRARequest
 from ..models.llama import arch_spec
 from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
@@ -89,8 +90,9 @@ class LLMEngine:
         # first use and cached; thread-safe, so the server validates requests with it too.
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                 sorted(self.eos_token_ids))
+        lora = self.config.lora
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
-                                   self.max_model_len)
+                                   self.max_model_len, lora.max_loras if lora.enable_lora else None)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, its index)
         ready = time.perf_counter() - start
@@ -102,18 +104,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    arrival_time: Optional[float] = None) -> None:
+                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None) -> None:
         """Validates everything first: a bad request raises ValueError and touches nothing.
 
         ``arrival_time`` (``time.monotonic()``, default now) is when the request was submitted:
         a server passes the time it took the request, so queue time and latencies include the
-        wait before the engine saw it.
+        wait before the engine saw it. ``lora_request``: the adapter it runs with (read and
+        checked here, so a bad adapter is this request's error, never a failed step).
         """
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if isinstance(params, PoolingParams):
-            self._add_pooling_request(request_id, prompt, params, arrival)
+            self._add_pooling_request(request_id, prompt, params, arrival, lora_request)
             return
         params.validate(self.config.max_logprobs)
         _, ids = prompt_to_ids(prompt, self.tokenizer)
@@ -127,11 +132,25 @@ class LLMEngine:
             state = None if grammar is None else GrammarState(grammar.matcher(), self.eos_token_ids)
             # The prompt's logprobs are the same for every sequence: the first computes them.
             group.sequences.append(Request(seq_id, ids, child_params, eos_token_ids=self.eos_token_ids, grammar=state,
-                                           num_prompt_logprobs=params.prompt_logprobs if i == 0 else None))
+                                           num_prompt_logprobs=params.prompt_logprobs if i == 0 else None,
+                                           lora_request=lora_request))
         self._admit_group(group)
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Reads and checks an adapter into the host cache ahead of its requests; a bad one
+        raises ValueError (``LoRAAdapterError``: the file and field)."""
+        if not self.config.lora.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             "(enable_lora=True, --enable-lora)")
+        self.runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets an adapter (its slot and host copy); requests still running with it finish
+        with it, reloading it from its folder if needed. False if it was not loaded."""
+        return self.runner.remove_lora(lora_int_id)
+
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                             arrival: float) -> None:
+                             arrival: float, lora_request: Optional[LoRARequest] = None) -> None:
         """A prefill-only request whose final hidden states are pooled into an embedding."""
         _, ids = prompt_to_ids(prompt, self.tokenizer)
         check_prompt(ids, PREFILL_ONLY, self.vocab_size, self.max_model_len)
@@ -139,7 +158,7 @@ class LLMEngine:
         pooling = PoolingState(params.pooling_type or model.pooling_type,
                                model.pooling_normalize if params.normalize is None else params.normalize)
         group = _Group(request_id, len(ids), arrival)
-        group.sequences.append(Request(request_id, ids, PREFILL_ONLY, pooling=pooling))
+        group.sequences.append(Request(request_id, ids, PREFILL_ONLY, pooling=pooling, lora_request=lora_request))
         self._admit_group(group)
 
     def _admit_group(self, group: _Group) -> None:
@@ -317,6 +336,9 @@ def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | Multipr
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
         return ModelRunner(config)
+    if config.lora.enable_lora:
+        raise ValueError("LoRA with tensor_parallel_size > 1 is not supported yet: adapters are not sharded "
+                         "across ranks; serve LoRA with tensor_parallel_size=1 (or data-parallel replicas)")
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)

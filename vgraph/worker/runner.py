@@ -40,6 +40,9 @@ from .startup import StartupReport
 
 if TYPE_CHECKING:
     from ..compiler.cache import CompileCache
+    from ..lora.config import LoRAConfig
+    from ..lora.request import LoRARequest
+    from ..lora.slots import LoRASlotManager
 
 logger = logging.getLogger("vgraph")
 
@@ -60,10 +63,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
+        lora = _lora_config(config)
         self.model, self.hf_config, weights = load_model(config.model, self.device,
-                                                         use_custom_ops=config.compile.custom_ops)
+                                                         use_custom_ops=config.compile.custom_ops,
+                                                         lora_config=lora)
         t1 = time.perf_counter()
         m = self.model
+        # The adapters in the model's slots (vgraph/lora/slots.py); None without LoRA.
+        self.lora: Optional["LoRASlotManager"] = None
+        if lora is not None:
+            from ..lora.slots import LoRASlotManager
+            self.lora = LoRASlotManager(m, lora, m.dtype)
         self.spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, config.cache.block_size, m.dtype)
         self.vocab_size = m.vocab_size
         self.softmax_scale = float(m.softmax_scale)
@@ -212,6 +222,26 @@ class ModelRunner:
         the sampled rows, in batch order (the engine owns the grammars and fills them)."""
         return self._step(self.graphs, self.requests.apply(plan), grammar_masks)
 
+    def add_lora(self, request: "LoRARequest") -> None:
+        """Reads and checks an adapter into the host cache (raises ``LoRAAdapterError`` naming
+        the file and field when it cannot be served), so a step never meets a bad one."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled for this engine (enable_lora=True, --enable-lora)")
+        self.lora.add_adapter(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops an adapter from its slot and the host cache; False if it was not loaded."""
+        return self.lora is not None and self.lora.remove_adapter(lora_int_id)
+
+    def _set_lora_slots(self, step: RunnerStep) -> None:
+        """Each row's adapter slot for the next forward, loading into slots what the step needs
+        (a copy into fixed buffers: the graphs stay valid)."""
+        assert self.lora is not None
+        slots = self.lora.prepare([c.request.lora_request for c in step.chunks])
+        rows = torch.tensor(slots, dtype=torch.int32).repeat_interleave(
+            torch.tensor([c.num_new_tokens for c in step.chunks]))
+        self.model.set_lora_token_slots(rows.to(self.device))
+
     def _step(self, graphs: ForwardRunner, step: RunnerStep,
               masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
@@ -220,6 +250,8 @@ class ModelRunner:
         if not step.chunks:
             return ModelRunnerOutput({}, None)
         batch, decision = graphs.build(step)
+        if self.lora is not None:
+            self._set_lora_slots(step)
         rows = graphs.run(batch, decision)
         prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits)
         pooled = pooled_chunks(rows, step) or None
@@ -233,6 +265,16 @@ class ModelRunner:
         if out.logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled)
+
+
+def _lora_config(config: EngineConfig) -> Optional["LoRAConfig"]:
+    """The LoRA slot sizes the model is built with, or None without LoRA. The per-row slot
+    buffer holds the most rows any forward carries (padding and memory profiling included)."""
+    s = config.lora
+    if not s.enable_lora:
+        return None
+    from ..lora.config import LoRAConfig
+    return LoRAConfig(s.max_loras, s.max_lora_rank, config.max_forward_rows, s.max_cpu_loras)
 
 
 def _compile_source(counters: Optional[CompileCounters]) -> str:

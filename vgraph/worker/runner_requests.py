@@ -16,6 +16,7 @@ import torch
 
 from ..core.kv_cache_manager import token_slice
 from ..core.step_plan import PlannedChunk, PlannedRequest, StepPlan
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class RunnerRequest:
     eos_token_ids: frozenset[int] = frozenset()
     num_prompt_logprobs: Optional[int] = None
     pooling_type: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     generator: Optional[torch.Generator] = None
@@ -40,7 +42,7 @@ class RunnerRequest:
     @classmethod
     def planned(cls, p: PlannedRequest) -> "RunnerRequest":
         return cls(p.request_id, list(p.prompt_token_ids), p.sampling_params, p.eos_token_ids,
-                   p.num_prompt_logprobs, p.pooling_type)
+                   p.num_prompt_logprobs, p.pooling_type, p.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:
