@@ -512,6 +512,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be at most 65535, got {args.port}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise UserError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.lora_modules and not args.enable_lora:
+        raise UserError("--lora-modules needs --enable-lora")
     from vgraph.engine import launch
     launch.prepare_environment()  # before torch loads
     from vgraph.config import EngineConfig

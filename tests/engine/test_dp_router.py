@@ -109,7 +109,7 @@ class FakeReplica:
     async def shutdown(self, timeout: float = 30.0) -> None:
         pass
 
-    async def add_requests(self, items: Any) -> OutputCollector:
+    async def add_requests(self, items: Any, lora_request: Any = None) -> OutputCollector:
         if self.queue_full:
             raise QueueFullError("full")
         collector = OutputCollector([rid for rid, _, _ in items])

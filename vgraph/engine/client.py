@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Protocol, Sequence
 
 from ..sampling_params import SamplingParams
-from .core_codec import ABORT, ADD, FINISH, EngineFacts
+from ..lora.request import LoRARequest
+from .core_codec import ABORT, ADD, FINISH, LOAD_LORA, UNLOAD_LORA, EngineFacts
 from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -246,9 +247,10 @@ class EngineClient(StreamingFront):
         for collector in set(self._collectors.values()):
             collector._fail(error)
         self._collectors.clear()
-        for submission in self._in_flight:
-            if not submission.accepted.done():
-                submission.accepted.set_exception(error)
+        waiting = [s.accepted for s in self._in_flight] + list(self._unanswered.values())  # adds, adapter loads
+        for future in waiting:
+            if not future.done():
+                future.set_exception(error)
         self._unanswered.clear()
 
     # ------------------------------------------------------------------ admission
@@ -269,8 +271,9 @@ class EngineClient(StreamingFront):
             return None
         return f"{len(self._in_flight)} submission(s) have waited {waited:.0f} s for the engine to accept them"
 
-    async def add_requests(self, items: Items) -> OutputCollector:
+    async def add_requests(self, items: Items, lora_request: Optional[LoRARequest] = None) -> OutputCollector:
         """Submits requests atomically: all are accepted, or none is and the error is raised.
+        ``lora_request``: the adapter they all run with (None: the base model).
 
         Raises ``ValueError`` for bad input (``RequestTooLargeError`` when the items have more
         sequences than ``max_queue_len``), ``QueueFullError``, ``EngineNotReadyError`` or
@@ -291,7 +294,7 @@ class EngineClient(StreamingFront):
         submission = _Submission(sequences, asyncio.get_running_loop().create_future(), time.monotonic())
         self._in_flight.add(submission)
         try:
-            self._send_add(items, collector, submission.accepted)
+            self._send_add(items, collector, submission.accepted, lora_request)
             await asyncio.shield(submission.accepted)
         except asyncio.CancelledError:
             self.abort(collector.request_ids)
@@ -303,13 +306,14 @@ class EngineClient(StreamingFront):
             self._in_flight.discard(submission)
         return collector
 
-    def _send_add(self, items: Items, collector: OutputCollector, accepted: asyncio.Future) -> None:
+    def _send_add(self, items: Items, collector: OutputCollector, accepted: asyncio.Future,
+                  lora_request: Optional[LoRARequest]) -> None:
         """Checks and tokenizes the prompts and sends the submission (which may raise: a value
         the transport cannot carry); only then registers it, so a failure leaves nothing."""
         prompts = self._token_ids(items)
         batch_id = next(self._batch_ids)
         self.transport.send((ADD, batch_id, time.monotonic(),
-                             [(rid, ids, params) for (rid, _, params), (_, ids) in zip(items, prompts)]))
+                             [(rid, ids, params) for (rid, _, params), (_, ids) in zip(items, prompts)], lora_request))
         assert self._outputs is not None
         for (rid, _, params), (text, ids) in zip(items, prompts):
             self._collectors[rid] = collector
@@ -337,6 +341,24 @@ class EngineClient(StreamingFront):
         text, ids = prompt_to_ids(prompt, self.tokenizer)
         check_prompt(ids, params if generating else PREFILL_ONLY, self.vocab_size, self.max_model_len)
         return text, ids
+
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Has the engine read and check an adapter (into its host cache); raises its error
+        (``ValueError`` for an adapter it cannot serve) or the engine's state, as ``add_requests``."""
+        check_admission(self.error, self._stopping, self._ready.is_set(), None, 0, 0)
+        batch_id = next(self._batch_ids)
+        accepted = asyncio.get_running_loop().create_future()
+        self._unanswered[batch_id] = accepted
+        try:
+            self.transport.send((LOAD_LORA, batch_id, lora_request))
+            await asyncio.shield(accepted)
+        finally:
+            self._unanswered.pop(batch_id, None)
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Has the engine forget an adapter (requests still running with it finish with it)."""
+        if self._alive():
+            self.transport.send((UNLOAD_LORA, lora_int_id))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stops requests and frees their KV blocks; unknown or finished ids are ignored."""

@@ -19,10 +19,11 @@ from __future__ import annotations
 import builtins
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import msgpack
 
+from ..lora.request import LoRARequest
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .inputs import ContextLengthError, InputError
@@ -31,6 +32,7 @@ from .stats import EngineStats, RequestTiming
 
 # Kinds of message, the first item of each.
 ADD, ABORT, FINISH, SHUTDOWN = "add", "abort", "finish", "shutdown"
+LOAD_LORA, UNLOAD_LORA = "load_lora", "unload_lora"
 READY, STARTUP_FAILED, ACCEPTED, STEP, FATAL = "ready", "startup_failed", "accepted", "step", "fatal"
 
 _SAMPLING, _POOLING = "s", "p"
@@ -55,6 +57,14 @@ def unpack(data: bytes) -> list:
 
 
 # ---------------------------------------------------------------------------- parameters
+
+def encode_lora(lora: Optional[LoRARequest]) -> Optional[list]:
+    return None if lora is None else [lora.lora_name, lora.lora_int_id, lora.lora_path]
+
+
+def decode_lora(data: Optional[list]) -> Optional[LoRARequest]:
+    return None if data is None else LoRARequest(*data)
+
 
 def encode_params(params: Union[SamplingParams, PoolingParams]) -> list:
     """``[kind, {field: value}]``: every field by name, the structured-output spec as its fields."""

@@ -3,8 +3,9 @@ of the transport the engine runs (a thread of the server, or the engine-core pro
 
 Commands are tuples whose first item names the kind (``core_codec``'s names): ``add``
 (batch id, submission time, ``[(request id, token ids, params)]``), ``abort`` (request ids),
-``finish`` (sequences the client ended: a stop string found while detokenizing) and
-``shutdown``. The loop blocks on its command queue only when idle; adds are accepted or
+``finish`` (sequences the client ended: a stop string found while detokenizing),
+``load_lora`` (batch id, adapter: read and checked, answered like an add), ``unload_lora``
+(adapter id) and ``shutdown``. The loop blocks on its command queue only when idle; adds are accepted or
 refused atomically, one answer per batch, before any step that could produce its outputs;
 after a batch of commands it reports a step with no deltas (the aborted requests' timings,
 the stats after the adds), then steps while anything is unfinished.
@@ -15,7 +16,7 @@ import logging
 import queue
 from typing import Any, Callable, Optional, Sequence
 
-from .core_codec import ABORT, ADD, FINISH, SHUTDOWN, EngineFacts
+from .core_codec import ABORT, ADD, FINISH, LOAD_LORA, SHUTDOWN, UNLOAD_LORA, EngineFacts
 from .inputs import InputError, PromptType
 from .stats import EngineStep, RequestTiming
 
@@ -67,8 +68,14 @@ class EngineLoop:
     def _apply(self, command: tuple) -> list[RequestTiming]:
         kind = command[0]
         if kind == ADD:
-            _, batch_id, submitted, items = command
-            self.accepted(batch_id, add_atomically(self.engine, items, submitted, self._traced))
+            _, batch_id, submitted, items, lora = command
+            self.accepted(batch_id, add_atomically(self.engine, items, submitted, self._traced, lora))
+            return []
+        if kind == LOAD_LORA:
+            self.accepted(command[1], self._load_lora(command[2]))
+            return []
+        if kind == UNLOAD_LORA:
+            self.engine.remove_lora(command[1])
             return []
         if kind == ABORT:
             return self.engine.abort_request(command[1])
@@ -76,16 +83,28 @@ class EngineLoop:
             return self.engine.finish_sequences([tuple(item) for item in command[1]])
         raise ValueError(f"unknown command {kind!r}")
 
+    def _load_lora(self, lora: Any) -> Optional[BaseException]:
+        """None once the adapter is read and checked, else why not (a bad adapter is the
+        caller's error; anything else is logged and refused, never a dead engine)."""
+        try:
+            self.engine.add_lora(lora)
+        except ValueError as exc:
+            return exc
+        except Exception as exc:
+            logger.error("loading LoRA adapter %r failed: %s: %s", lora.lora_name, type(exc).__name__, exc)
+            return exc
+        return None
+
 
 def add_atomically(engine: Any, items: Sequence[tuple[str, PromptType, Any]], submitted: float,
-                   traced: set[type]) -> Optional[BaseException]:
+                   traced: set[type], lora: Any = None) -> Optional[BaseException]:
     """Adds a batch of requests atomically and returns None, or the error that refused them:
     on any failure the ones added are taken back (not counted as aborts: they were never
     accepted). ``traced``: exception types whose traceback was logged already (once per type)."""
     added: list[str] = []
     try:
         for rid, prompt, params in items:
-            engine.add_request(rid, prompt, params, arrival_time=submitted)
+            engine.add_request(rid, prompt, params, arrival_time=submitted, lora_request=lora)
             added.append(rid)
     except BaseException as exc:  # bad input (ValueError) or an unexpected failure: undo all
         engine.abort_request(added)

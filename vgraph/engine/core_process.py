@@ -31,7 +31,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .core_codec import (ACCEPTED, ADD, FATAL, READY, STARTUP_FAILED, STEP, decode_params, encode_delta, encode_error,
+from .core_codec import (ACCEPTED, ADD, LOAD_LORA, decode_lora, FATAL, READY, STARTUP_FAILED, STEP, decode_params, encode_delta, encode_error,
                          encode_stats, encode_timing, pack, unpack)
 from .stats import EngineStep
 
@@ -139,8 +139,11 @@ def _receive(sock: Any, commands: queue.SimpleQueue) -> None:
 def decode_command(message: list) -> tuple:
     """A command as ``EngineLoop`` takes it: an ``add``'s parameters decoded."""
     if message[0] == ADD:
-        _, batch_id, submitted, items = message
-        return ADD, batch_id, submitted, [(rid, ids, decode_params(params)) for rid, ids, params in items]
+        _, batch_id, submitted, items, lora = message
+        return ADD, batch_id, submitted, [(rid, ids, decode_params(params)) for rid, ids, params in items], \
+            decode_lora(lora)
+    if message[0] == LOAD_LORA:
+        return LOAD_LORA, message[1], decode_lora(message[2])
     return tuple(message)
 
 

@@ -28,6 +28,7 @@ import asyncio
 import logging
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
+from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 from .client import EngineDeadError, EngineNotReadyError, OutputCollector, QueueFullError, StreamingFront
 from .dp_router import PrefixAffinityRouter, RouterConfig, least_loaded
@@ -52,7 +53,9 @@ class Replica(Protocol):
     def start(self) -> None: ...
     async def wait_ready(self) -> None: ...
     async def shutdown(self, timeout: float = 30.0) -> None: ...
-    async def add_requests(self, items: Items) -> OutputCollector: ...
+    async def add_requests(self, items: Items, lora_request: Optional[LoRARequest] = None) -> OutputCollector: ...
+    async def load_lora(self, lora_request: LoRARequest) -> None: ...
+    def unload_lora(self, lora_int_id: int) -> None: ...
     def abort(self, request_ids: Iterable[str]) -> None: ...
     def admission_stall(self) -> Optional[str]: ...
 
@@ -131,7 +134,16 @@ class DataParallelEngine(StreamingFront):
 
     # ------------------------------------------------------------------ requests
 
-    async def add_requests(self, items: Items) -> OutputCollector:
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Every replica reads and checks the adapter (any may be routed its requests)."""
+        self._check_accepting()
+        await asyncio.gather(*(replica.load_lora(lora_request) for replica in self.replicas))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        for replica in self.replicas:
+            replica.unload_lora(lora_int_id)
+
+    async def add_requests(self, items: Items, lora_request: Optional[LoRARequest] = None) -> OutputCollector:
         """Submits ``items`` to one replica, atomically (see ``EngineClient.add_requests``)."""
         self._check_accepting()
         if not items:
@@ -142,23 +154,24 @@ class DataParallelEngine(StreamingFront):
         sequences = [params.n for _, _, params in items]
         route = self.router.route(self.router.keys(_token_ids(items[0][1])), self.loads)
         try:
-            return await self._submit(route.replica, items, sequences)
+            return await self._submit(route.replica, items, sequences, lora_request)
         except QueueFullError:
             if not route.affine:
                 raise
             fallback = least_loaded(self.loads, exclude=route.replica)
             if fallback == route.replica:
                 raise
-            return await self._submit(fallback, items, sequences)
+            return await self._submit(fallback, items, sequences, lora_request)
 
-    async def _submit(self, index: int, items: Items, sequences: list[int]) -> OutputCollector:
+    async def _submit(self, index: int, items: Items, sequences: list[int],
+                      lora_request: Optional[LoRARequest]) -> OutputCollector:
         """Counts the items against replica ``index`` and hands them to it; takes the count back
         if it refuses them (or the caller is cancelled: the replica aborts what it took)."""
         for (rid, _, _), n in zip(items, sequences):
             self._owner[rid] = (index, n)
         self.loads[index] += sum(sequences)
         try:
-            return await self.replicas[index].add_requests(items)
+            return await self.replicas[index].add_requests(items, lora_request)
         except BaseException:
             self._release(rid for rid, _, _ in items)
             raise

@@ -26,7 +26,7 @@ from ..lora.request import LoRARequest
 from ..models.llama import arch_spec
 from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
-from .inputs import PREFILL_ONLY, PromptType, check_prompt, prompt_to_ids
+from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
 from .stats import EngineStep, EngineStats, RequestTiming
 
@@ -138,11 +138,15 @@ class LLMEngine:
 
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Reads and checks an adapter into the host cache ahead of its requests; a bad one
-        raises ValueError (``LoRAAdapterError``: the file and field)."""
+        raises ``InputError`` (a ValueError naming the adapter's file and field; its ``param``
+        is ``model``, the field a served request names an adapter with)."""
         if not self.config.lora.enable_lora:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
-                             "(enable_lora=True, --enable-lora)")
-        self.runner.add_lora(lora_request)
+            raise InputError(f"LoRA adapter {lora_request.lora_name!r} requested, but LoRA is not enabled "
+                             "(enable_lora=True, --enable-lora)", "model")
+        try:
+            self.runner.add_lora(lora_request)
+        except ValueError as exc:
+            raise InputError(f"LoRA adapter {lora_request.lora_name!r}: {exc}", "model") from exc
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forgets an adapter (its slot and host copy); requests still running with it finish

@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from .client import EngineClient, EngineDeadError, EngineProcessDiedError, Ready
-from .core_codec import (ACCEPTED, ADD, FATAL, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts, decode_delta,
+from .core_codec import (ACCEPTED, ADD, LOAD_LORA, encode_lora, FATAL, READY, SHUTDOWN, STARTUP_FAILED, STEP, EngineFacts, decode_delta,
                          decode_error, decode_stats, decode_timing, encode_message, encode_params, unpack)
 from .core_loop import EngineLoop, engine_facts
 from .core_process import CoreProcessConfig, run_engine_core
@@ -142,8 +142,11 @@ class ProcessTransport:
         the caller's ``ValueError``, raised before anything is sent."""
         import zmq
         if command[0] == ADD:
-            kind, batch_id, submitted, items = command
-            command = (kind, batch_id, submitted, [[rid, ids, encode_params(params)] for rid, ids, params in items])
+            kind, batch_id, submitted, items, lora = command
+            command = (kind, batch_id, submitted, [[rid, ids, encode_params(params)] for rid, ids, params in items],
+                       encode_lora(lora))
+        elif command[0] == LOAD_LORA:
+            command = (LOAD_LORA, command[1], encode_lora(command[2]))
         data = encode_message(list(command))
         try:
             self._zmq[1].send(data, flags=zmq.NOBLOCK)

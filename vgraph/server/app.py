@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from .. import __version__
 from ..engine.dp_engine import DataParallelEngine
 from ..engine.stats import StepOutput
-from . import routes_chat, routes_completions, routes_embeddings, routes_misc, routes_responses
+from . import routes_chat, routes_completions, routes_embeddings, routes_lora, routes_misc, routes_responses
 from .auth import APIKeyMiddleware
 from .header_limit import HeaderLimitMiddleware
 from .errors import CatchAllMiddleware, install_error_handlers
@@ -69,7 +69,7 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     app.state.server = state
     install_error_handlers(app)
-    for module in (routes_completions, routes_chat, routes_responses, routes_embeddings, routes_misc):
+    for module in (routes_completions, routes_chat, routes_responses, routes_embeddings, routes_lora, routes_misc):
         app.include_router(module.router)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
@@ -84,5 +84,6 @@ async def _announce_ready(state: ServerState) -> None:
     except Exception:
         return  # on_fatal reports it
     engine = state.engine
+    await state.check_adapters()
     logger.info("ready: serving %s as %s (max_model_len %d)", engine.model_path,
-                ", ".join(state.settings.served_model_names), engine.max_model_len)
+                ", ".join([*state.settings.served_model_names, *state.adapters.names()]), engine.max_model_len)

@@ -23,7 +23,7 @@ import math
 import re
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..sampling_params import SamplingParams
 from .errors import bad_request
@@ -299,6 +299,20 @@ class TokenizeRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/load_lora_adapter``: serve the PEFT folder ``lora_path`` as ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/unload_lora_adapter`` (``lora_int_id`` is accepted and not needed)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: Optional[int] = None
 
 
 # ----------------------------------------------------------------------------- validation

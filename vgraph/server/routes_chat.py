@@ -39,7 +39,7 @@ async def create_chat_completion(request: Request) -> Response:
     text, ids = await state.encode_chat(messages, body.add_generation_prompt, tools=tools.template_tools)
     job = _Chat(state, body, model, params, tools)
     collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)], "messages",
-                                   body.field_names)
+                                   body.field_names, model=model)
     if body.stream:
         return SSEResponse(job.stream(collector))
     finals = await state.wait_finished(request, collector)

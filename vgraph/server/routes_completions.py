@@ -43,7 +43,7 @@ async def create_completion(request: Request) -> Response:
     params = await state.constrain(body, params)
     inputs = await _engine_inputs(state, prompts, params.n)
     job = _Completion(state, body, model, params, len(prompts))
-    collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)])
+    collector = await state.submit([(rid, p, params) for rid, p in zip(job.ids, inputs)], model=model)
     if body.echo:  # once the engine has accepted the token ids, they decode
         try:
             job.echoes = [await _echo_text(state, p) for p in prompts]

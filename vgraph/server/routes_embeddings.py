@@ -73,7 +73,8 @@ async def create_embedding(request: Request) -> Response:
     request_ids = [f"{job_id}-{i}" for i in range(len(inputs))]
     params = PoolingParams()
     prompts = [{"prompt": p, "prompt_token_ids": t} if isinstance(p, str) else t for p, t in zip(inputs, ids)]
-    collector = await state.submit(list(zip(request_ids, prompts, [params] * len(prompts))), "input")
+    collector = await state.submit(list(zip(request_ids, prompts, [params] * len(prompts))), "input",
+                                   model=model)
     finals = await state.wait_finished(request, collector)
     outputs: list[EmbeddingRequestOutput] = [finals[rid] for rid in request_ids]
     data = [{"object": "embedding", "index": i, "embedding": _encode(o.outputs.embedding, body.encoding_format)}

@@ -58,11 +58,15 @@ async def version() -> dict[str, str]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    """The base model under each served name, then each LoRA adapter, its parent the base."""
     state = _state(request)
     engine = state.engine
-    data = [{"id": name, "object": "model", "created": state.created, "owned_by": "vgraph",
-             "root": engine.model_path or None, "parent": None,
-             "max_model_len": engine.max_model_len or None} for name in state.settings.served_model_names]
+    card = {"object": "model", "created": state.created, "owned_by": "vgraph",
+            "max_model_len": engine.max_model_len or None}
+    data = [{"id": name, **card, "root": engine.model_path or None, "parent": None}
+            for name in state.settings.served_model_names]
+    data += [{"id": lora.lora_name, **card, "root": lora.lora_path, "parent": state.model_name}
+             for lora in state.adapters.all()]
     return {"object": "list", "data": data}
 
 

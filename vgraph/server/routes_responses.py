@@ -44,7 +44,7 @@ async def create_response(request: Request) -> Response:
     text, ids = await state.encode_chat(messages, True, param="input")
     job = _Response(body, model, params)
     collector = await state.submit([(job.id, {"prompt": text, "prompt_token_ids": ids}, params)], "input",
-                                   FIELD_NAMES)
+                                   FIELD_NAMES, model=model)
     if body.stream:
         return SSEResponse(job.stream(state, collector))
     finals = await state.wait_finished(request, collector)

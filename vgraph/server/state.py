@@ -22,6 +22,7 @@ from .body import read_request
 from .errors import APIError, bad_request, engine_gone, internal_error
 from .limits import Limits
 from .logprobs import TokenTexts
+from .lora_adapters import LoRAAdapters
 from .metrics import ServerMetrics
 from .protocol import ChatMessage, content_parts, param_from_message, template_messages
 from .streaming import DisconnectWatch
@@ -112,6 +113,10 @@ class ServerSettings:
     max_log_len: Optional[int] = field(default=None, metadata={
         "help": "with each request's log line, log up to this many characters of its prompt "
                 "(default: none, prompts are not logged)"})
+    # Multi-LoRA (lora_adapters.py): adapters served by name, with the engine's --enable-lora.
+    lora_modules: list[str] = field(default_factory=list, metadata={
+        "help": "LoRA adapters to serve, each name=path (or JSON {\"name\": ..., \"path\": ...}); a request "
+                "selects one with its model field (needs --enable-lora)", "nargs": "+"})
     # vLLM's default is auto; vgraph keeps its own defaults unless asked, so that an upgrade
     # does not change what existing requests sample.
     generation_config: str = field(default="vllm", metadata={
@@ -134,6 +139,7 @@ class ServerSettings:
             raise ValueError(f"max_log_len must be at least 0, got {self.max_log_len}")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        LoRAAdapters(self.lora_modules, self.served_model_names)  # a bad spec or a repeated name: ValueError
 
 
 class ServerState:
@@ -147,6 +153,7 @@ class ServerState:
         self._token_texts: Optional[TokenTexts] = None
         self._tokenizer: Optional[ServerTokenizer] = None
         self._sampling_defaults: Optional[dict[str, Any]] = None
+        self.adapters = LoRAAdapters(settings.lora_modules, settings.served_model_names)
 
     def close(self) -> None:
         """Stops the tokenizer's worker thread (the lifespan's end)."""
@@ -188,13 +195,14 @@ class ServerState:
         return Limits.resolve(self.settings, self.engine.max_model_len)
 
     def resolve_model(self, name: Optional[str]) -> str:
-        """The served name a request asked for (the first one when it names none); else 404."""
+        """The served name a request asked for (the first one when it names none): the base
+        model's or a LoRA adapter's; else 404."""
         if name is None:
             return self.model_name
-        if name not in self.settings.served_model_names:
+        if name not in self.settings.served_model_names and self.adapters.get(name) is None:
+            served = [*self.settings.served_model_names, *self.adapters.names()]
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                                f"{', '.join(map(repr, self.settings.served_model_names))}",
-                           param="model", code="model_not_found")
+                                f"{', '.join(map(repr, served))}", param="model", code="model_not_found")
         return name
 
     def require_ready(self) -> None:
@@ -244,13 +252,15 @@ class ServerState:
         return constrained
 
     async def submit(self, items: Sequence[tuple[str, PromptType, SamplingParams]],
-                     prompt_param: str = "prompt", field_names: Optional[dict[str, str]] = None) -> OutputCollector:
+                     prompt_param: str = "prompt", field_names: Optional[dict[str, str]] = None,
+                     model: Optional[str] = None) -> OutputCollector:
         """Hands requests to the engine, mapping its refusals to HTTP errors. A refusal names
         the request's own field: ``prompt_param`` for the prompt (chat's ``messages``),
         ``field_names`` for sampling fields sent under another name (chat's
-        ``max_completion_tokens``)."""
+        ``max_completion_tokens``). ``model``: the served name resolved, whose LoRA adapter
+        (if it names one) the requests run with."""
         try:
-            return await self.engine.add_requests(items)
+            return await self.engine.add_requests(items, self.adapters.get(model))
         except RequestTooLargeError as exc:
             many = any(params.n > 1 for _, _, params in items)
             raise bad_request(str(exc), "n" if many else prompt_param, code="too_many_sequences") from None
@@ -272,6 +282,48 @@ class ServerState:
             error = internal_error("the engine failed to add a request", exc)
             error.code = "engine_error"
             raise error from None
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Has the engine read and check an adapter, then serves it under ``name``: a bad
+        adapter (or LoRA not enabled) is a 400 naming the field at fault."""
+        try:
+            lora = self.adapters.new(name, path)
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_name") from None
+        try:
+            await self.engine.load_lora(lora)
+        except ValueError as exc:
+            raise bad_request(str(exc), "lora_path") from None
+        except EngineNotReadyError as exc:
+            raise APIError(503, str(exc), code="not_ready", headers={"Retry-After": "5"}) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
+        try:
+            self.adapters.register(lora)
+        except ValueError as exc:  # the same name loaded meanwhile by another request
+            raise bad_request(str(exc), "lora_name") from None
+        logger.info("serving LoRA adapter %r from %s", name, path)
+
+    async def check_adapters(self) -> None:
+        """Once the engine is ready, has it read and check each ``--lora-modules`` adapter; one
+        it cannot serve is logged and not served (its requests get 404)."""
+        for lora in self.adapters.all():
+            try:
+                await self.engine.load_lora(lora)
+            except Exception as exc:
+                self.adapters.remove(lora.lora_name)
+                logger.error("--lora-modules %s=%s cannot be served, so it is not: %s", lora.lora_name,
+                             lora.lora_path, exc)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stops serving ``name`` (requests running with it finish with it); 404 if unknown."""
+        try:
+            lora = self.adapters.remove(name)
+        except KeyError:
+            raise APIError(404, f"the LoRA adapter {name!r} is not loaded", param="lora_name",
+                           code="model_not_found") from None
+        self.engine.unload_lora(lora.lora_int_id)
+        logger.info("stopped serving LoRA adapter %r", name)
 
     async def wait_finished(self, request: Request, collector: OutputCollector) -> dict[str, RequestOutput]:
         """The final output of each request; aborts them if the client disconnects first."""
