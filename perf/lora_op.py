@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from vgraph.lora.layers import LoRAProjection
 from vgraph.models.loader import load_model
 from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from vgraph.testing.checkpoints import build_perf_checkpoint
+
+from .timing import machine_info, write_results
 from vgraph.ops.linear import pack_weight
 from vgraph.ops.lora import lora_add_dense, lora_add_grouped, lora_add_reference
 
@@ -37,7 +40,6 @@ HIDDEN, Q, KV, INTER, LAYERS = 512, 512, 256, 1408, 8
 # (name, in, slices): the four adapted projections of a layer.
 PROJECTIONS = [("qkv", HIDDEN, [("q_proj", Q), ("k_proj", KV), ("v_proj", KV)]), ("o", Q, [("o_proj", HIDDEN)]),
                ("gate_up", HIDDEN, [("gate_proj", INTER), ("up_proj", INTER)]), ("down", INTER, [("down_proj", HIDDEN)])]
-RESULT = Path(__file__).parent / "results" / "lora-op-cpu.json"
 
 
 def _median_us(fn, rounds: int) -> float:
@@ -162,14 +164,16 @@ def main() -> None:
         results = [measure(32, 4, 16, args.rounds), measure(1, 1, 16, args.rounds), measure(256, 4, 16, args.rounds)]
         load_ms = measure_slot_load(16, args.rounds)
         step = measure_step(32, 4, 16, max(args.rounds // 2, 10))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                         text=True).stdout.strip() or None
     record = {"command": "python -m perf.lora_op" + (f" --threads {args.threads}" if args.threads else ""),
-              "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "load_average_1min_before": round(load_before, 2),
+              "config": {**machine_info("cpu"), "git": git, "threads": torch.get_num_threads(),
+                         "load_average_1min_before": round(load_before, 2), "load_average_1min_after":
+                         round(os.getloadavg()[0], 2)},
               "shapes": {"hidden": HIDDEN, "q": Q, "kv": KV, "intermediate": INTER, "layers": LAYERS},
               "results": results, "slot_load_ms_rank16_all_layers": round(load_ms, 3),
               "eager_decode_step": step}
-    result = RESULT.with_name(f"lora-op-cpu-t{args.threads}.json") if args.threads else RESULT
-    result.write_text(json.dumps(record, indent=2) + "\n")
+    write_results(f"lora-op-cpu-t{args.threads}" if args.threads else "lora-op-cpu", record)
     print(json.dumps(record, indent=2))
 
 
