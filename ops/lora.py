@@ -59,6 +59,9 @@ def _check(base: Tensor, x: Tensor, lora_a: Tensor, lora_b: List[Tensor], token_
     if token_slots.dim() != 1 or token_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_slots must be a 1-D int32/int64 tensor, got {token_slots.dtype} "
                          f"{tuple(token_slots.shape)}")
+    if not x.shape[0] == base.shape[0] == token_slots.shape[0]:
+        raise ValueError(f"base, x and token_slots must have one row per token; got {base.shape[0]}, "
+                         f"{x.shape[0]} and {token_slots.shape[0]}")
 
 
 def lora_add_reference(base: Tensor, x: Tensor, lora_a: Tensor, lora_b: List[Tensor],
@@ -142,5 +145,6 @@ def _(base: Tensor, x: Tensor, lora_a: Tensor, lora_b: List[Tensor], token_slots
 @lora_add.register_kernel("cuda")
 def _(base: Tensor, x: Tensor, lora_a: Tensor, lora_b: List[Tensor], token_slots: Tensor) -> Tensor:
     _check(base, x, lora_a, lora_b, token_slots)
+    token_slots = token_slots.contiguous()  # the kernels read slot t at offset t
     shrunk = kernels.lora_shrink_triton(x, lora_a, token_slots)
     return kernels.lora_expand_triton(base, shrunk, lora_b, token_slots)

@@ -64,6 +64,8 @@ def test_bad_shapes_are_named():
         torch.ops.vgraph.lora_add(base, x, lora_a[:, :6], lora_b, slots)
     with pytest.raises(ValueError, match="token_slots"):
         torch.ops.vgraph.lora_add(base, x, lora_a, lora_b, slots.float())
+    with pytest.raises(ValueError, match="one row per token"):
+        torch.ops.vgraph.lora_add(base, x, lora_a, lora_b, slots[:3])
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -312,6 +312,14 @@ class LlamaModel(nn.Module):
             slots = torch.full((opts.lora.max_num_tokens,), -1, dtype=torch.int32, device=opts.device)
         self.register_buffer("lora_token_slots", slots, persistent=False)
 
+    @property
+    def layout_name(self) -> str:
+        """Its kind in the compile cache key: with LoRA, the slot buffer's length is a static
+        shape of the graph; without, the class name, as before LoRA existed."""
+        if self.lora_token_slots is None:
+            return type(self).__name__
+        return f"{type(self).__name__}[lora_tokens={self.lora_token_slots.shape[0]}]"
+
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, hidden.dtype)  # gathered once, used by every layer
