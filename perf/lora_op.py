@@ -6,7 +6,8 @@ Why: the issue's target is a decode step of 32 rows over 4 rank-16 adapters at <
 step on CPU; this isolates what LoRA adds per layer, and picks the CPU kernel among rows
 sorted and grouped by slot (the op's CPU kernel), each row's A/B gathered into batched
 matmuls (the reference), and every slot applied densely, masked to each row's own (no host
-sync). Also times loading an adapter into a free slot, and a whole eager decode step (forward
+sync). Also times loading a PEFT folder into a free slot of the perf model (from disk, and
+from the host cache), and a whole eager decode step (forward
 and logits, 256 tokens of context per row) of the perf model with LoRA against without.
 Writes ``perf/results/lora-op-cpu.json`` (with ``--threads N``: ``lora-op-cpu-tN.json``).
 """
@@ -28,6 +29,8 @@ import vgraph.ops  # noqa: F401
 from vgraph.config import ModelConfig
 from vgraph.lora.config import LoRAConfig
 from vgraph.lora.layers import LoRAProjection
+from vgraph.lora.request import LoRARequest
+from vgraph.lora.slots import LoRASlotManager
 from vgraph.models.loader import load_model
 from vgraph.ops.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from vgraph.testing.checkpoints import build_perf_checkpoint
@@ -119,6 +122,48 @@ def _fill_random_adapters(model, adapters: int, rank: int) -> None:
                                         for name, b in zip(projection.slice_names, projection.lora_b())})
 
 
+def _write_peft_folder(path: Path, model, rank: int, seed: int) -> str:
+    """A PEFT-format LoRA folder (every projection, random weights) for ``model``, written
+    directly (no peft import: perf needs only the runtime)."""
+    from safetensors.torch import save_file
+    gen = torch.Generator().manual_seed(seed)
+    targets = model.lora_targets()
+    tensors = {}
+    for layer in range(targets.num_layers):
+        for module, (in_features, out_features) in targets.shapes.items():
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=gen) * 0.02
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=gen) * 0.02
+    path.mkdir(parents=True)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(targets.shapes),
+        "bias": "none"}))
+    return str(path)
+
+
+def measure_adapter_load(model, rank: int, rounds: int) -> dict:
+    """Milliseconds from a PEFT folder on disk to an adapter in a free slot (read, checked,
+    scaled, copied), and for one already in the host cache (the copy only)."""
+    root = Path(tempfile.mkdtemp(prefix="vgraph-perf-adapters-"))
+    folders = [_write_peft_folder(root / f"a{i}", model, rank, i) for i in range(rounds)]
+    cold, warm = [], []
+    for i, folder in enumerate(folders):
+        manager = LoRASlotManager(model, model.lora_config, torch.float32)
+        request = LoRARequest(f"a{i}", i + 1, folder)
+        start = time.perf_counter()
+        manager.prepare([request])
+        cold.append((time.perf_counter() - start) * 1e3)
+        manager.remove_adapter(request.lora_int_id)
+        manager.add_adapter(request)
+        start = time.perf_counter()
+        manager.prepare([request])
+        warm.append((time.perf_counter() - start) * 1e3)
+    return {"rank": rank, "from_disk_ms": round(statistics.median(cold), 3),
+            "from_host_cache_ms": round(statistics.median(warm), 3)}
+
+
 def measure_step(batch: int, adapters: int, rank: int, rounds: int) -> dict:
     """Eager decode step (forward + logits) of the perf model without LoRA, and with LoRA
     enabled over ``adapters`` slots in use, timed in turns."""
@@ -144,7 +189,8 @@ def measure_step(batch: int, adapters: int, rank: int, rounds: int) -> dict:
     medians = {name: statistics.median(values[3:]) for name, values in times.items()}
     return {"batch": batch, "adapters": adapters, "rank": rank, "context": CONTEXT,
             "step_ms": {k: round(v, 3) for k, v in medians.items()},
-            "ratio": round(medians["lora"] / medians["base"], 3)}
+            "ratio": round(medians["lora"] / medians["base"], 3),
+            "adapter_load_into_free_slot": measure_adapter_load(lora, rank, 10)}
 
 
 def _run(model, ctx: ForwardContext, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
