@@ -11,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from . import activation, fp8, fused_quant, norm
+from . import activation, fp8, fused_quant, lora, norm
 from .kernels import activation as act_k
 from .kernels import fp8 as fp8_k
+from .kernels import lora as lora_k
 from .kernels import norm as norm_k
 
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -71,7 +72,23 @@ def _cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, tuple, flo
          lambda a, b: fused_quant.rms_norm_dynamic_per_token_fp8_quant_reference(a, b, 1e-6), (x, w), fp8_tol),
         ("silu_and_mul_static_fp8_quant", lambda a, b: act_k.silu_and_mul_triton(a, scale=b),
          fused_quant.silu_and_mul_static_fp8_quant_reference, (gate_up, s), fp8_tol),
-    ] + _attention_cases(dtype)
+    ] + _lora_cases(dtype) + _attention_cases(dtype)
+
+
+def _lora_cases(dtype: torch.dtype) -> list:
+    """The shrink + expand kernels on a fused two-slice projection, rows of 3 slots and none."""
+    slots, rank, outs = 3, 16, (200, 72)
+    x, base = torch.randn(9, 136, dtype=dtype), torch.randn(9, sum(outs), dtype=dtype)
+    lora_a = (0.1 * torch.randn(slots, len(outs) * rank, 136)).to(dtype)
+    b0, b1 = ((0.1 * torch.randn(slots, out, rank)).to(dtype) for out in outs)
+    token_slots = torch.tensor([0, -1, 2, 1, 1, -1, 0, 2, 2], dtype=torch.int32)
+
+    def kernel(base, x, a, b0, b1, slots_):
+        return lora_k.lora_expand_triton(base, lora_k.lora_shrink_triton(x, a, slots_), [b0, b1], slots_)
+
+    def reference(base, x, a, b0, b1, slots_):
+        return lora.lora_add_reference(base, x, a, [b0, b1], slots_)
+    return [("lora_add", kernel, reference, (base, x, lora_a, b0, b1, token_slots), REL_TOL[dtype])]
 
 
 def _attention_cases(dtype: torch.dtype) -> list:

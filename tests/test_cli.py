@@ -13,7 +13,7 @@ OPS = ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "static_scaled_fp8_quan
        "dynamic_per_token_scaled_fp8_quant", "fp8_gemm", "rms_norm_static_fp8_quant",
        "fused_add_rms_norm_static_fp8_quant", "rms_norm_dynamic_per_token_fp8_quant",
        "silu_and_mul_static_fp8_quant", "reshape_and_cache", "paged_attention",
-       "paged_attention_decode_split_kv", "unified_attention"]
+       "paged_attention_decode_split_kv", "unified_attention", "lora_add"]
 
 
 def vgraph(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

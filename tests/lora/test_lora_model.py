@@ -155,7 +155,17 @@ def test_vgraph_compile_path_swaps_adapters_without_recompiling():
 
 
 def test_without_lora_the_model_has_no_lora_state():
+    """No buffer, module or cache-key change without LoRA: the graph and its cache entry are
+    the plain model's."""
+    from vgraph.compiler.cache_key import model_layout
     model, _, _ = load_model(ModelConfig(tiny_checkpoint(arch="llama"), dtype="float32"), "cpu")
-    assert not list(model.named_buffers(prefix="")) or all("lora" not in n for n, _ in model.named_buffers())
+    assert all("lora" not in name for name, _ in model.named_buffers())
     assert model.lora_projections() == [] and model.model.lora_token_slots is None
-    assert not any("LoRA" in type(m).__name__ for m in model.modules())
+    assert not any("LoRA" in name or "lora" in name for name in model_layout(model))
+
+
+def test_lora_sizes_enter_the_compile_cache_key():
+    from vgraph.compiler.cache_key import model_layout
+    layouts = [model_layout(_lora_model("llama", max_loras=n)[0]) for n in (2, 4)]
+    assert layouts[0] != layouts[1]
+    assert "LlamaModel[lora_tokens=256]" in layouts[0]

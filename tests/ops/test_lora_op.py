@@ -1,11 +1,11 @@
-"""``vgraph::lora_add``: opcheck, the reference against a per-row loop, the CPU kernel (rows
-grouped by slot) and the Triton shrink/expand kernels against the reference."""
+"""``vgraph::lora_add``: opcheck, the reference against a per-row loop, the CPU kernels (dense
+and masked; grouped by slot) and the Triton shrink/expand kernels against the reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vgraph.ops.lora import lora_add_grouped, lora_add_reference
+from vgraph.ops.lora import lora_add_dense, lora_add_grouped, lora_add_reference
 
 # (tokens, in, slice outputs, rank, slots): a fused q|k|v-like layer, a single slice, odd sizes.
 CASES = [(9, 40, (24, 8, 8), 4, 3), (5, 64, (64,), 16, 4), (1, 33, (17, 17), 3, 2), (0, 16, (8,), 2, 2)]
@@ -46,6 +46,7 @@ def test_cpu_kernel_matches_reference(case):
     args = _inputs(*case)
     expected = lora_add_reference(*args)
     torch.testing.assert_close(lora_add_grouped(*args), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lora_add_dense(*args), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(torch.ops.vgraph.lora_add(*args), expected, atol=1e-4, rtol=1e-5)
 
 
@@ -63,6 +64,8 @@ def test_bad_shapes_are_named():
         torch.ops.vgraph.lora_add(base, x, lora_a[:, :6], lora_b, slots)
     with pytest.raises(ValueError, match="token_slots"):
         torch.ops.vgraph.lora_add(base, x, lora_a, lora_b, slots.float())
+    with pytest.raises(ValueError, match="one row per token"):
+        torch.ops.vgraph.lora_add(base, x, lora_a, lora_b, slots[:3])
 
 
 @pytest.mark.parametrize("case", CASES)

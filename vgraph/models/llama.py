@@ -20,6 +20,12 @@ Tensor parallelism (vgraph/distributed/): built with a ``TPGroup`` of N ranks, e
 its rank's shard (heads, MLP columns, vocabulary rows; sharding.py says which) and the model
 calls a functional all-reduce after each row-parallel projection and the embedding, so the
 residual add and RMSNorm that follow see the full sum, in the same form as at one rank.
+
+Multi-LoRA (vgraph/lora/): built with a ``LoRAConfig``, each of the four projections of a layer
+gets a ``LoRAProjection`` beside it (stacked adapter slots, mapped onto the fused q|k|v and
+gate|up output slices) whose ``vgraph::lora_add`` adds each row's adapter to the projection's
+output, the row's slot read from the model's ``lora_token_slots`` buffer. Built without one,
+none of this exists: the modules, the traced graph and its compile cache key are unchanged.
 """
 from __future__ import annotations
 
@@ -312,6 +318,14 @@ class LlamaModel(nn.Module):
             slots = torch.full((opts.lora.max_num_tokens,), -1, dtype=torch.int32, device=opts.device)
         self.register_buffer("lora_token_slots", slots, persistent=False)
 
+    @property
+    def layout_name(self) -> str:
+        """Its kind in the compile cache key: with LoRA, the slot buffer's length is a static
+        shape of the graph; without, the class name, as before LoRA existed."""
+        if self.lora_token_slots is None:
+            return type(self).__name__
+        return f"{type(self).__name__}[lora_tokens={self.lora_token_slots.shape[0]}]"
+
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         rope = self.rotary_emb(positions, hidden.dtype)  # gathered once, used by every layer
@@ -344,7 +358,9 @@ class LlamaForCausalLM(nn.Module):
     or plain torch for norms and activations; ``quant_config`` makes the decoder's linear
     layers fp8. ``dtype`` stays the activation dtype (and the KV cache's) either way. ``tp``
     (default: one rank) builds this rank's shard: ``num_heads`` and ``num_kv_heads`` are then
-    the rank's own (what its KV cache holds), ``vocab_size`` the model's.
+    the rank's own (what its KV cache holds), ``vocab_size`` the model's. ``lora_config``
+    adds LoRA adapter slots (one rank only, for now); ``set_lora_token_slots`` then says
+    which slot each row of the next forward uses.
     """
 
     # Everything after the last attention (o_proj and its all-reduce, the residual add, the
