@@ -78,6 +78,10 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "max_capture_size": [(["--max-capture-size", "64"], 64)],
     "tensor_parallel_size": [(["--tensor-parallel-size", "2"], 2)],
     "distributed_backend": [(["--distributed-backend", "gloo"], "gloo")],
+    "enable_lora": [(["--enable-lora"], True)],
+    "max_loras": [(["--max-loras", "4"], 4)],
+    "max_lora_rank": [(["--max-lora-rank", "64"], 64)],
+    "max_cpu_loras": [(["--max-cpu-loras", "8"], 8)],
     "device": [(["--device", "cpu"], "cpu")],
     "max_logprobs": [(["--max-logprobs", "5"], 5)],
 }

@@ -13,7 +13,6 @@ key, so the compile runs without the cache; ``identity_problems`` says which and
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from typing import Any, Optional
 
@@ -42,9 +41,6 @@ def key_fields(config: EngineConfig, hf_config: Any, dtype: torch.dtype, pass_uu
         "env": environment_fingerprint(device), "formats": {"artifact": ARTIFACT_FORMAT, "record": RECORD_FORMAT},
         "model": model_fields(hf_config), "dtype": str(dtype), "quantization": config.model.quantization,
         "passes": pass_uuid, "layout": layout, "rank": rank, "world_size": world_size,
-        # LoRA's slot buffers (their counts and ranks) are shapes the graph is traced with.
-        "lora": {**dataclasses.asdict(config.lora), "rows": config.max_forward_rows} if config.lora.enable_lora
-        else None,
         "compile": {"splitting_ops": c.splitting_ops, "compile_sizes": sorted(c.compile_sizes),
                     "custom_ops": c.custom_ops, "enable_fusion": c.enable_fusion},
     }
