@@ -121,3 +121,26 @@ def test_lora_requests_need_lora_enabled():
             engine.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False, lora_request=_loras()[0])
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_tensor_parallel_shards_adapters_like_their_layers():
+    """TP=2 (two gloo ranks): each rank holds its shard of every adapter (B's output rows on q/k/v
+    and gate/up, A's input columns on o and down), and mixed batches still equal transformers +
+    PEFT; a bad adapter is refused by the ranks, which serve on."""
+    llm = LLM(tiny_checkpoint(), dtype="float32", tensor_parallel_size=2, enable_lora=True, max_loras=2,
+              max_lora_rank=16, block_size=16, num_gpu_blocks=128, max_model_len=256)
+    try:
+        prompts = _prompts()[:4]
+        assignment = [1, 2, 3, 0]
+        loras = [None if a == 0 else _loras()[a - 1] for a in assignment]
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outs] == [_oracle(a, tuple(p)) for a, p in zip(assignment, prompts)]
+        with pytest.raises(ValueError, match="not found|missing|no such|does not exist"):
+            llm.generate("hi", SamplingParams(max_tokens=1), use_tqdm=False,
+                         lora_request=LoRARequest("gone", 77, "/nowhere/at/all"))
+        again = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False, lora_request=loras[0])
+        assert again[0].outputs[0].token_ids == _oracle(1, tuple(prompts[0]))
+    finally:
+        llm.close()

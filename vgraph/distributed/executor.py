@@ -35,7 +35,7 @@ from ..core.outputs import ModelRunnerOutput
 from ..core.step_plan import StepPlan
 from ..structured.bitmask import GrammarMasks
 from ..worker.startup import StartupReport
-from .worker import COUNTERS, SHUTDOWN, STEP, WorkerArgs, WorkerInfo, worker_main
+from .worker import ADD_LORA, COUNTERS, REMOVE_LORA, SHUTDOWN, STEP, WorkerArgs, WorkerInfo, worker_main
 
 logger = logging.getLogger("vgraph")
 
@@ -81,7 +81,8 @@ def threads_per_rank(world_size: int) -> int:
 
 class MultiprocExecutor:
     """Runs ``config.parallel.tensor_parallel_size`` ranks; stands where a ModelRunner stands
-    for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``)."""
+    for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``,
+    ``add_lora``, ``remove_lora``)."""
 
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
@@ -138,6 +139,18 @@ class MultiprocExecutor:
             return ModelRunnerOutput({}, None)
         self._check_running()
         return self._broadcast((STEP, (plan, grammar_masks)))[0]
+
+    def add_lora(self, lora: Any) -> None:
+        """Every rank reads and checks the adapter (each keeps its shard); a bad adapter raises
+        ValueError with the first rank's reason, and every rank serves on."""
+        self._check_running()
+        refusals = [r for r in self._broadcast((ADD_LORA, lora)) if r is not None]
+        if refusals:
+            raise ValueError(refusals[0])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        self._check_running()
+        return any(self._broadcast((REMOVE_LORA, lora_int_id)))
 
     def collect_compile_counters(self) -> list[Any]:
         """Every rank's CompileCounters now (None per rank when eager): recompiles are per rank."""

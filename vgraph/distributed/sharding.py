@@ -9,6 +9,10 @@
   last rank's padded with zero rows); the embedding masks ids outside its range and all-reduces,
   the lm_head's logits are gathered and the padding cut off.
 - Everything else (norms, q/k norms, fp8 scales) is replicated.
+- LoRA adapters follow their base layers (``shard_lora``): on a column-parallel projection each
+  rank keeps A whole and B's block of output rows; on a row-parallel one, A's block of input
+  columns and B whole, its partial delta joining the layer's partial product before the
+  all-reduce (x A^T B^T = sum over ranks of x_r A_r^T B^T).
 
 Shards are cut from the checkpoint tensor before it is copied into the parameter, so the model
 holds only its shard, and CPU float32 projections are packed (models/linear.py) after that, from
@@ -51,6 +55,18 @@ def vocab_range(vocab_size: int, group: TPGroup) -> tuple[int, int]:
     rows = vocab_rows(vocab_size, group.world_size)
     start = min(group.rank * rows, vocab_size)
     return start, min(start + rows, vocab_size)
+
+
+def shard_lora(module: str, a: Tensor, b: Tensor, group: TPGroup) -> tuple[Tensor, Tensor]:
+    """This rank's part of the LoRA pair (A [r, in], B [out, r]) on the HF projection ``module``."""
+    if not group.is_parallel:
+        return a, b
+    n, rank = group.world_size, group.rank
+    if module in ("o_proj", "down_proj"):
+        size = a.shape[1] // n
+        return a.narrow(1, rank * size, size), b
+    size = b.shape[0] // n
+    return a, b.narrow(0, rank * size, size)
 
 
 def _module_kind(param_name: str) -> Optional[str]:

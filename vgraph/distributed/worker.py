@@ -28,6 +28,7 @@ logger = logging.getLogger("vgraph")
 
 # Commands the engine sends.
 STEP, COUNTERS, SHUTDOWN = "step", "counters", "shutdown"
+ADD_LORA, REMOVE_LORA = "add_lora", "remove_lora"
 
 
 @dataclass(frozen=True)
@@ -103,11 +104,25 @@ def _serve(args: WorkerArgs, conn: Connection) -> None:
             conn.send(("ok", result if args.rank == 0 else None))
         elif command == COUNTERS:
             conn.send(("ok", runner.compile_counters))
+        elif command == ADD_LORA:
+            conn.send(("ok", _add_lora(runner, payload)))
+        elif command == REMOVE_LORA:
+            conn.send(("ok", runner.remove_lora(payload)))
         elif command == SHUTDOWN:
             conn.send(("ok", None))
             return
         else:
             raise RuntimeError(f"unknown command {command!r} from the engine")
+
+
+def _add_lora(runner: Any, lora: Any) -> Optional[str]:
+    """None once the adapter is in this rank's host cache; else why not (a bad adapter is the
+    request's error, never this process's: it replies and serves on)."""
+    try:
+        runner.add_lora(lora)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _cache_folder(runner: Any) -> Optional[str]:

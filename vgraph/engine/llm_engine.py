@@ -340,9 +340,6 @@ def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | Multipr
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
         return ModelRunner(config)
-    if config.lora.enable_lora:
-        raise ValueError("LoRA with tensor_parallel_size > 1 is not supported yet: adapters are not sharded "
-                         "across ranks; serve LoRA with tensor_parallel_size=1 (or data-parallel replicas)")
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)

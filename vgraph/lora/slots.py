@@ -27,6 +27,8 @@ class LoRAModel(Protocol):
 
     def lora_projections(self) -> list[tuple[int, LoRAProjection]]: ...
 
+    def lora_shard(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 class LoRASlotManager:
     def __init__(self, model: LoRAModel, config: LoRAConfig, dtype: torch.dtype) -> None:
@@ -110,9 +112,15 @@ class LoRASlotManager:
         raise ValueError("every LoRA slot holds an adapter of the running batch")  # prepare() bounds this
 
     def _load(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Copies the adapter into ``slot`` of every projection: this rank's shard of it, cut as
+        the base layer is (the whole of it without tensor parallelism)."""
         for layer, projection in self._projections:
-            weights = {name: adapter.weights.get((layer, name)) for name in projection.slice_names}
+            weights = {name: self._shard(name, adapter.weights.get((layer, name))) for name in projection.slice_names}
             projection.load_slot(slot, weights)
+
+    def _shard(self, name: str, pair: Optional[tuple[torch.Tensor, torch.Tensor]]
+               ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return None if pair is None else self.model.lora_shard(name, *pair)
 
     def _trim_host_cache(self) -> None:
         """Drops least recently used host copies beyond the cache size; an adapter in a slot

@@ -43,7 +43,7 @@ from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 from vgraph.ops.linear import packing_enabled
 
 from ..distributed.collectives import all_gather_last_dim, all_reduce
-from ..distributed.sharding import check_divisible, shard_for_rank, vocab_range, vocab_rows
+from ..distributed.sharding import check_divisible, shard_for_rank, shard_lora, vocab_range, vocab_rows
 from ..distributed.state import TPGroup
 from ..lora.adapter import LoRATargets
 from ..lora.config import LoRAConfig
@@ -378,9 +378,6 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.tp = tp or TPGroup()
         n = self.tp.world_size
-        if lora_config is not None and self.tp.is_parallel:
-            raise ValueError("LoRA under tensor parallelism is not supported yet (adapters would need "
-                             "sharding like their base layers); run LoRA with tensor_parallel_size=1")
         self.lora_config = lora_config
         check_divisible(n, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
         local = replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n,
@@ -417,6 +414,10 @@ class LlamaForCausalLM(nn.Module):
             "q_proj": (s.hidden_size, q), "k_proj": (s.hidden_size, kv), "v_proj": (s.hidden_size, kv),
             "o_proj": (q, s.hidden_size), "gate_proj": (s.hidden_size, s.intermediate_size),
             "up_proj": (s.hidden_size, s.intermediate_size), "down_proj": (s.intermediate_size, s.hidden_size)})
+
+    def lora_shard(self, module: str, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's part of an adapter's (A, B) on ``module``, cut as its base layer is."""
+        return shard_lora(module, a, b, self.tp)
 
     def lora_projections(self) -> list[tuple[int, LoRAProjection]]:
         """(layer index, slots) of every adapted projection; empty without LoRA."""
