@@ -13,6 +13,7 @@ from vgraph.engine.dp_engine import DataParallelEngine, data_parallel
 from vgraph.engine.dp_router import PrefixAffinityRouter, Route, RouterConfig, least_loaded, prefix_keys
 from vgraph.engine.outputs import CompletionOutput, RequestOutput
 from vgraph.engine.stats import EngineStats, StepOutput
+from vgraph.lora import LoRARequest
 from vgraph.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -94,6 +95,8 @@ class FakeReplica:
         self.ready = False
         self.queue_full = queue_full
         self.added: list[str] = []
+        self.adapters: list[Any] = []  # the LoRA adapter of each submission, and each one loaded
+        self.unloaded: list[int] = []
         self.aborted: list[str] = []
         self.collectors: dict[str, OutputCollector] = {}
         self.tokenizer = self.worker_tokenizer = self.grammar_compiler = None
@@ -113,6 +116,7 @@ class FakeReplica:
         if self.queue_full:
             raise QueueFullError("full")
         collector = OutputCollector([rid for rid, _, _ in items])
+        self.adapters.append(lora_request)
         for rid, _, _ in items:
             self.added.append(rid)
             self.collectors[rid] = collector
@@ -120,6 +124,12 @@ class FakeReplica:
 
     def abort(self, request_ids: Any) -> None:
         self.aborted.extend(request_ids)
+
+    async def load_lora(self, lora_request: Any) -> None:
+        self.adapters.append(("loaded", lora_request))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        self.unloaded.append(lora_int_id)
 
     def finish(self, rid: str) -> None:
         output = RequestOutput(request_id=rid, prompt=None, prompt_token_ids=[1],
@@ -135,6 +145,22 @@ class FakeReplica:
 
 def _ids(n: int, offset: int = 0) -> list[int]:
     return [offset + i for i in range(n)]
+
+
+def test_adapters_load_on_every_replica_and_travel_with_their_requests():
+    async def run() -> None:
+        replicas = [FakeReplica(), FakeReplica()]
+        engine = data_parallel(replicas, block_size=BLOCK)
+        engine.start()
+        lora = LoRARequest("sql", 1, "/adapters/sql")
+        await engine.load_lora(lora)
+        assert all(r.adapters == [("loaded", lora)] for r in replicas), "any replica may be routed its requests"
+        await engine.add_requests([("a", _ids(2), SamplingParams(max_tokens=2))], lora)
+        assert [r.adapters[-1] for r in replicas if r.added] == [lora]
+        engine.unload_lora(1)
+        assert all(r.unloaded == [1] for r in replicas)
+
+    asyncio.run(run())
 
 
 def test_the_engine_spreads_routes_aborts_and_releases():
