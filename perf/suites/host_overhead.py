@@ -6,7 +6,8 @@ waiting for the tokens -> update), so every millisecond here is a millisecond th
 The suite measures them on the host itself, by timing each phase's function during real decode
 steps (``LLM.step``: the engine's step and the output processor's share):
 
-- ``schedule``: ``Scheduler.schedule``;
+- ``schedule``: ``Scheduler.schedule`` (its step plan included);
+- ``runner_requests``: ``RunnerRequests.apply`` (the runner's copies updated from the plan);
 - ``batch_build``: ``ForwardRunner.build`` (the flat, padded batch and its metadata);
 - ``grammar_masks``: filling structured-output masks (none here: no grammar);
 - ``sampling_metadata``: ``SamplingMetadata.from_requests`` (the per-row sampling tensors);
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 
 SIZES = (1, 8, 32, 256)
 PROMPT_LEN = 16
-HOST_PHASES = ("schedule", "batch_build", "grammar_masks", "sampling_metadata", "scheduler_update",
+HOST_PHASES = ("schedule", "runner_requests", "batch_build", "grammar_masks", "sampling_metadata", "scheduler_update",
                "output_processing", "sampling_sync_and_rest")
 TARGET_MS = {1: 0.3, 256: 3.0}  # issue 33's targets for host time per step on this CPU
 
@@ -57,13 +58,14 @@ def _timed(owner: Any, name: str, phase: str, sink: dict[str, float]) -> Iterato
 def _instrumented(llm: Any, sink: dict[str, float]) -> contextlib.ExitStack:
     from vgraph.core.scheduler import Scheduler
     from vgraph.engine.output_processor import OutputProcessor
-    from vgraph.worker import runner as runner_module
+    from vgraph.engine import llm_engine as engine_module
+    from vgraph.worker.runner_requests import RunnerRequests
     from vgraph.worker.cuda_graphs import ForwardRunner
     from vgraph.worker.sampler import Sampler, SamplingMetadata
     stack = contextlib.ExitStack()
     targets: list[tuple[Any, str, str]] = [
-        (Scheduler, "schedule", "schedule"), (ForwardRunner, "build", "batch_build"),
-        (runner_module, "fill_masks", "grammar_masks"), (ForwardRunner, "run", "forward"),
+        (Scheduler, "schedule", "schedule"), (RunnerRequests, "apply", "runner_requests"),
+        (ForwardRunner, "build", "batch_build"), (engine_module, "fill_masks", "grammar_masks"), (ForwardRunner, "run", "forward"),
         (llm.engine.runner.model, "compute_logits", "forward"), (SamplingMetadata, "from_requests", "sampling_metadata"),
         (Sampler, "__call__", "sampler"), (Scheduler, "update", "scheduler_update"),
         (OutputProcessor, "process", "output_processing")]
