@@ -55,12 +55,18 @@ def _round_trip(x: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(quantize_kv(x, None), None, x.dtype)
 
 
-def _fake_quantized(monkeypatch, mode: str) -> LLM:
-    """A float32-cache engine whose attention sees K/V rounded through e4m3 at scale 1.0, as
-    the fp8 cache holds them (both where they are cached and where a fresh prefill reads them)."""
+def _round_kv_through_e4m3(monkeypatch) -> None:
+    """From now on, attention over an unquantized cache sees K/V rounded through e4m3 at
+    scale 1.0, as an fp8 cache holds them (where they are cached and where a fresh prefill
+    reads them)."""
     write, attend = unified._write_cache, unified._attend
     monkeypatch.setattr(unified, "_write_cache", lambda k, v, *rest: write(_round_trip(k), _round_trip(v), *rest))
     monkeypatch.setattr(unified, "_attend", lambda q, k, v, *rest: attend(q, _round_trip(k), _round_trip(v), *rest))
+
+
+def _fake_quantized(monkeypatch, mode: str) -> LLM:
+    """A float32-cache engine that computes what the fp8 engine should."""
+    _round_kv_through_e4m3(monkeypatch)
     return _llm("auto", mode)
 
 
@@ -144,3 +150,25 @@ def test_a_per_head_scale_is_refused(tmp_path):
     path = _with_scales(tmp_path, {"model.layers.0.self_attn.k_scale": torch.ones(2)})
     with pytest.raises(ValueError, match="model.layers.0.self_attn.k_scale must be one positive finite number"):
         LLM(path, device="cpu", enforce_eager=True, kv_cache_dtype="fp8", num_gpu_blocks=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_with_graphs_equals_a_float32_cache_of_e4m3_values(monkeypatch):
+    """The Triton path with FULL and PIECEWISE CUDA graphs (the CUDA default), as the first
+    test checks the CPU path: the graphs read the scale tensors at replay, and the fp8 kernels
+    widen e4m3 to fp32 exactly, so against the fake-quantized float32 cache the tokens are
+    equal and logprobs within 1e-3 (CUDA's fp32 GEMMs may differ between the two engines'
+    captures; 1e-3 leaves room for that and none for a wrong scale, which moves them by 0.1+)."""
+    def cuda_llm(kv_cache_dtype: str) -> LLM:
+        return LLM(str(DEMO_MODEL_DIR), device="cuda", kv_cache_dtype=kv_cache_dtype, num_gpu_blocks=256)
+
+    llm = cuda_llm("fp8")
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    outs = _generate(llm)
+    del llm
+    _round_kv_through_e4m3(monkeypatch)
+    reference = _generate(cuda_llm("auto"))
+    for out, ref in zip(outs, reference):
+        assert out.token_ids == ref.token_ids
+        assert _max_logprob_diff(out, ref, len(ref.token_ids)) <= 1e-3

@@ -172,3 +172,26 @@ def test_unquantized_inputs_must_match_an_unquantized_cache():
         reshape_and_cache_reference(key.half(), value.half(), k_cache.float(), v_cache.float(), slots)
     with pytest.raises(ValueError, match="one-element float32 tensor"):
         reshape_and_cache_reference(key, value, k_cache, v_cache, slots, torch.ones(2), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_ops_match_the_cpu_ops_over_one_fp8_cache(dtype):
+    """What the engine runs on CUDA (the ops' Triton kernels) against the same ops on CPU: the
+    cache write bit for bit, attention and split-KV decode within the dtype's tolerance."""
+    key, value, k_cache, v_cache, slots = _write_case(12, dtype)
+    k_gpu, v_gpu = k_cache.cuda(), v_cache.cuda()
+    torch.ops.vgraph.reshape_and_cache(key, value, k_cache, v_cache, slots, *_scales())
+    torch.ops.vgraph.reshape_and_cache(key.cuda(), value.cuda(), k_gpu, v_gpu, slots.cuda(), *_scales("cuda"))
+    assert torch.equal(k_gpu.cpu().view(torch.uint8), k_cache.view(torch.uint8))
+    assert torch.equal(v_gpu.cpu().view(torch.uint8), v_cache.view(torch.uint8))
+    args, _ = _fp8_batch(MIXED, dtype)
+    on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    assert_close_rel(torch.ops.vgraph.paged_attention(*on_gpu, *_scales("cuda")),
+                     torch.ops.vgraph.paged_attention(*args, *_scales()), dtype)
+    decode = _decode_args(dtype)
+    scale = decode[0].shape[-1] ** -0.5
+    assert_close_rel(torch.ops.vgraph.paged_attention_decode_split_kv(*[t.cuda() for t in decode], scale, 4,
+                                                                      *_scales("cuda")),
+                     torch.ops.vgraph.paged_attention_decode_split_kv(*decode, scale, 4, *_scales()), dtype)
