@@ -27,9 +27,9 @@ and gathered K/V stay under fixed budgets, and so that short rows are not padded
 length of a long prefill in the same batch. The split is planned once per forward
 (``cached_plan``) and reused by every layer.
 
-An fp8 KV cache takes the SDPA routes (the C++ kernels read 16- and 32-bit caches only): its
-gathered rows are dequantized into q's dtype (``cached * scale``, ``kv_cache.dequantize_kv``)
-before SDPA, so the gather still moves one byte per element.
+An fp8 KV cache goes to the C++ kernels too, which read its rows times their scale. Where
+SDPA serves instead, its gathered rows are dequantized into q's dtype (``cached * scale``,
+``kv_cache.dequantize_kv``) before SDPA, so the gather still moves one byte per element.
 """
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc
 
 
 def attend_native_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                           plan: Plan, scale: float) -> Tensor:
+                           plan: Plan, scale: float, kv_scales: KVScales = NO_SCALES) -> Tensor:
     """The C++ kernels' rows of the output; zeros elsewhere (the SDPA path fills its rows)."""
     covered = plan.native_rows + sum(s.q_len for s in plan.fresh) + sum(s.q_len for s in plan.long)
     if plan.native_rows == 0:  # rows no segment covers (padding) must read zero
@@ -331,7 +331,8 @@ def attend_native_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     out = (torch.empty if every_row else torch.zeros)(q.shape, dtype=torch.float32)
     for spec, long_segments in ((plan.short, False), (plan.tiled, True)):
         if spec is not None:
-            native.attend_segments(q, k_cache, v_cache, block_table, spec, scale, out, long_segments)
+            native.attend_segments(q, k_cache, v_cache, block_table, spec, scale, out, long_segments,
+                                   kv_scales)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -357,7 +358,7 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     if new_kv is not None and is_fp8_cache(k_cache):
         raise ValueError("new_kv cannot stand in for an fp8 cache's rows, which are quantized")
     plan = cached_plan(q, k_cache, block_table, query_start_loc, seq_lens, max_query_len, native_kernel)
-    out = attend_native_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale)
+    out = attend_native_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale, kv_scales)
     for seg in plan.fresh:
         attend_fresh_prefill(q, k_cache, v_cache, block_table, seg, softmax_scale, out, new_kv, kv_scales)
     tiles = [tile for seg in plan.long for tile in tile_segment(seg, pair_budget)]

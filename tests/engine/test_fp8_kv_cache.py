@@ -6,10 +6,10 @@ Two comparisons, for two different claims:
    cache is float32 but holds K/V rounded through e4m3 and back (``_fake_quantized``), greedy
    tokens are equal and top-5 logprobs agree within ``EXACT_TOL`` (1e-4 nats; measured 0,
    eager and compiled). This is what catches a wrong scale, a missed dequantization or a prefix-cache block
-   read back wrongly. Both run the same attention code (SDPA: ``VGRAPH_CPU_ATTENTION=torch``,
-   since the C++ kernels take no fp8 cache) and the same mode, because a 1e-7 difference in a
-   K element sitting on an e4m3 rounding boundary moves it a whole e4m3 step (measured: up to
-   0.02 nats against an eager reference, or against the C++ kernels): with the same code, the
+   read back wrongly. Both run the same mode and attention kernels (the C++ ones, which read
+   an fp8 row as exactly the float the twin stores), because a 1e-7 difference in a K element
+   sitting on an e4m3 rounding boundary moves it a whole e4m3 step (measured: up to 0.02 nats
+   against an eager reference, or against another attention route): with the same code, the
    two runs see the same numbers, and no near-tie can flip a token.
 2. What fp8 costs against the float32 cache: e4m3 keeps 3 mantissa bits, so each cached
    element is off by up to 6.25%, and with the default scales of 1.0 (the demo checkpoint
@@ -85,7 +85,6 @@ def _first_difference(a, b) -> int:
 
 @pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 def test_fp8_engine_equals_a_float32_cache_of_e4m3_values(mode, monkeypatch):
-    monkeypatch.setenv("VGRAPH_CPU_ATTENTION", "torch")
     llm = _llm("fp8", mode)
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     outs = _generate(llm)

@@ -21,7 +21,9 @@ import vgraph.ops.attention  # noqa: F401  (registers torch.ops.vgraph.paged_att
 import vgraph.ops.kv_cache  # noqa: F401  (registers torch.ops.vgraph.reshape_and_cache)
 from tests.ops.test_attention import BOUNDARY_16, DEVICES, MIXED, PAD, make_batch
 from tests.ops.tolerances import assert_close_rel
+from vgraph.ops import cpu_attention_native
 from vgraph.ops.attention import paged_attention_decode_split_kv_reference, paged_attention_reference
+from vgraph.ops.cpu_attention import paged_attention_cpu
 from vgraph.ops.kernels.attention import paged_attention_decode_split_kv_triton, paged_attention_triton
 from vgraph.ops.kernels.kv_cache import reshape_and_cache_triton
 from vgraph.ops.kv_cache import FP8_KV_DTYPE, dequantize_kv, quantize_kv, reshape_and_cache_reference
@@ -111,11 +113,17 @@ def test_reference_reads_the_cache_times_its_scale(dtype):
     assert err <= FP8_VS_UNQUANTIZED * paged_attention_reference(*exact).abs().max()
 
 
+@pytest.mark.parametrize("native_kernel", [True, False], ids=["cpp", "sdpa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("specs", [MIXED, BOUNDARY_16], ids=["mixed", "boundaries"])
-def test_cpu_kernel_matches_reference(dtype, specs):
+def test_cpu_kernels_match_reference(dtype, specs, native_kernel):
+    """Both CPU routes: the C++ kernels (decode and prefill segments) and SDPA."""
     args, _ = _fp8_batch(specs, dtype)
     ref = paged_attention_reference(*args, *_scales())
+    if native_kernel:
+        assert cpu_attention_native.supports(args[0], args[1]) and cpu_attention_native.enabled()
+    out = paged_attention_cpu(*args, native_kernel=native_kernel, kv_scales=_scales())
+    assert_close_rel(out, ref, dtype)
     assert_close_rel(torch.ops.vgraph.paged_attention(*args, *_scales()), ref, dtype)
 
 
