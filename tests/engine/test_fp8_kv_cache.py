@@ -34,6 +34,7 @@ from vgraph import LLM, SamplingParams
 from vgraph.config import CompileConfig
 from vgraph.models.demo import DEMO_MODEL_DIR
 from vgraph.ops.kv_cache import dequantize_kv, quantize_kv
+from vgraph.worker.dispatch import Path
 
 unified = importlib.import_module("vgraph.ops.unified_attention")  # the op object shadows the module name
 
@@ -43,7 +44,10 @@ SHARED = "import os\nimport sys\nimport json\n\n\nclass Config:\n    def __init_
 PROMPTS = [SHARED + t for t in ("path = path\n", "data = ", "items = []\n        for")] + [
     "def fibonacci(n):\n    ", "    for i in range(len(items)):\n        if items[i] =="]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-MODES = {"eager": CompileConfig(level="none"), "compiled": CompileConfig()}
+# "graphs": FULL and PIECEWISE CUDA graphs' dispatch, buckets and padding (slot -1 rows)
+# emulated on CPU, as tests/compiler/test_cudagraph_emulated.py runs them.
+MODES = {"eager": CompileConfig(level="none"), "compiled": CompileConfig(),
+         "graphs": CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=[2, 4, 8, 64, 256])}
 
 
 def _llm(kv_cache_dtype: str, mode: str = "eager") -> LLM:
@@ -83,7 +87,8 @@ def _first_difference(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
 
 
-@pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow),
+                                  pytest.param("graphs", marks=pytest.mark.slow)])
 def test_fp8_engine_equals_a_float32_cache_of_e4m3_values(mode, monkeypatch):
     llm = _llm("fp8", mode)
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
@@ -93,8 +98,11 @@ def test_fp8_engine_equals_a_float32_cache_of_e4m3_values(mode, monkeypatch):
     for out, ref in zip(outs, reference):
         assert out.token_ids == ref.token_ids
         assert _max_logprob_diff(out, ref, len(ref.token_ids)) <= EXACT_TOL
-    if mode == "compiled":
+    if mode != "eager":
         assert llm.engine.runner.compile_counters.recompiles == 0
+    if mode == "graphs":
+        paths = {path for path, _ in llm.engine.runner.graphs.dispatch_counts}
+        assert {Path.FULL, Path.PIECEWISE} <= paths, paths
 
 
 def test_fp8_against_the_float32_cache_within_tolerance():
