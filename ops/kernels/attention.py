@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, FP8_DTYPE, next_pow2
+from .common import DOT_UPCAST, kv_scale_args, next_pow2
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16
@@ -314,18 +314,6 @@ def _check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have identical strides")
 
 
-def _kv_scales(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
-               v_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(k_scale, v_scale, KV_FP8) for a launch: an fp8 cache's scales (1.0 where not given: a
-    new tensor, which only a caller outside the engine gets, never a captured graph); another
-    cache's kernels never read them, so the cache stands in as the pointer."""
-    if k_cache.dtype != FP8_DTYPE:
-        return k_cache, k_cache, False
-    one = None if k_scale is not None and v_scale is not None else torch.ones(
-        1, dtype=torch.float32, device=k_cache.device)
-    return (k_scale if k_scale is not None else one), (v_scale if v_scale is not None else one), True
-
-
 def _zeroed_output(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """Zeros shaped like ``q``: a new tensor, or ``out`` cleared (the kernels write only the
     rows of real sequences; padding rows must read as zeros)."""
@@ -359,7 +347,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Tiles and dot precision follow q's dtype: an fp8 cache's tiles are widened to it.
     tiles = attention_tiles(group, max_query_len, k_cache.shape[3], q.element_size())
     upcast, precision = _dot_settings(q.dtype)
-    k_scale_t, v_scale_t, kv_fp8 = _kv_scales(k_cache, k_scale, v_scale)
+    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     grid = (triton.cdiv(max_query_len, tiles.block_q), num_seqs, k_cache.shape[2])
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, k_scale_t, v_scale_t,
@@ -399,7 +387,7 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
     num_splits = effective_splits(num_splits, block_table.shape[1], k_cache.shape[1],
                                          tiles.tile_n)
     upcast, precision = _dot_settings(q.dtype)
-    k_scale_t, v_scale_t, kv_fp8 = _kv_scales(k_cache, k_scale, v_scale)
+    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, tiles.block_d), dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32,

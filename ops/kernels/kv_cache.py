@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, FP8_MAX, next_pow2, quantize_fp8
+from .common import FP8_MAX, kv_scale_args, next_pow2, quantize_fp8
 
 # Elements one program moves at most (heads x padded head_dim); more heads -> more programs.
 _MAX_TILE = 4096
@@ -56,18 +56,6 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def _scales(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
-            v_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scale tensors a launch reads: an fp8 cache's (1.0 where not given: a new tensor,
-    which only an uncaptured caller gets, as the engine always passes its own); for other
-    caches the kernel never reads them, so the cache itself stands in as the pointer."""
-    if k_cache.dtype != FP8_DTYPE:
-        return k_cache, k_cache
-    one = None if k_scale is not None and v_scale is not None else torch.ones(
-        1, dtype=torch.float32, device=k_cache.device)
-    return (k_scale if k_scale is not None else one), (v_scale if v_scale is not None else one)
-
-
 def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                              k_scale: Optional[torch.Tensor] = None,
@@ -82,7 +70,7 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: to
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale)
+    k_scale_t, v_scale_t, quant = kv_scale_args(k_cache, k_scale, v_scale)
     block_d = next_pow2(head_dim)
     block_h = min(next_pow2(num_heads), max(1, _MAX_TILE // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
@@ -90,4 +78,5 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: to
         key, value, k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
         num_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(),
-        BLOCK_H=block_h, BLOCK_D=block_d, QUANT=k_cache.dtype == FP8_DTYPE, FP8_LIMIT=FP8_MAX, num_warps=4 if block_h * block_d >= 1024 else 1)
+        BLOCK_H=block_h, BLOCK_D=block_d, QUANT=quant, FP8_LIMIT=FP8_MAX,
+        num_warps=4 if block_h * block_d >= 1024 else 1)
