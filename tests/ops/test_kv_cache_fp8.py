@@ -10,7 +10,7 @@ Tolerances, and why:
   order differs), and the Triton cache write is bit-exact.
 - The fp8 attention against the unquantized cache's: within 8% of the output's scale.
   Per element the K/V rounding is up to 6.25% (2^-4); attention averages it over keys, and
-  the measured worst case on these batches is about 3%.
+  the measured worst case on these batches is 5.4% (five seeds, fp32/bf16/fp16 queries).
 """
 from __future__ import annotations
 
