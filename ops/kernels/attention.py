@@ -86,7 +86,7 @@ class AttentionTiles:
 
 
 def attention_tiles(group: int, max_query_len: int, head_dim: int,
-                    elem_bytes: int = 2) -> AttentionTiles:
+                    elem_bytes: int = 2, fp8_cache: bool = False) -> AttentionTiles:
     """Tile shapes for a launch over a cache of ``elem_bytes``-byte elements.
 
     16-bit caches: decode (one query token) gets the smallest row block that holds the GQA
@@ -97,12 +97,16 @@ def attention_tiles(group: int, max_query_len: int, head_dim: int,
     without spills (tests/ops/sm90_compile.py). fp32 caches are the exactness path: their
     IEEE dots run without tensor cores and spilled at every prefill tile tried above 16 x 16
     (32-128 rows, 16-64 keys), so they keep the smallest rows and 16-key tiles.
+
+    ``elem_bytes`` is q's (an fp8 cache's tiles are widened to q's dtype). fp32 q over an fp8
+    cache (``fp8_cache``) takes 8 warps: with 4, widening e4m3 tiles to fp32 for the IEEE dots
+    took 255 registers and spilled 1 KiB at every shape tried for sm_90; with 8, 170 and none.
     """
     block_d = max(MIN_DOT, next_pow2(head_dim))
     min_rows = max(MIN_DOT, next_pow2(group))
     if elem_bytes > 2:
         return AttentionTiles(block_m=min_rows, block_q=min_rows // group, tile_n=MIN_DOT,
-                              block_d=block_d, num_warps=4)
+                              block_d=block_d, num_warps=8 if fp8_cache else 4)
     wide = block_d > _WIDE_HEAD
     max_rows = _MAX_ROWS_WIDE_HEAD if wide else _MAX_ROWS_NARROW_HEAD
     block_m = max(min_rows, min(max_rows, next_pow2(max(max_query_len, 1) * group)))
@@ -345,9 +349,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     group = q.shape[1] // k_cache.shape[2]
     # Tiles and dot precision follow q's dtype: an fp8 cache's tiles are widened to it.
-    tiles = attention_tiles(group, max_query_len, k_cache.shape[3], q.element_size())
-    upcast, precision = _dot_settings(q.dtype)
     k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
+    tiles = attention_tiles(group, max_query_len, k_cache.shape[3], q.element_size(), kv_fp8)
+    upcast, precision = _dot_settings(q.dtype)
     grid = (triton.cdiv(max_query_len, tiles.block_q), num_seqs, k_cache.shape[2])
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, k_scale_t, v_scale_t,
@@ -383,11 +387,11 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
     if num_seqs == 0:
         return out
     group = num_q_heads // k_cache.shape[2]
-    tiles = attention_tiles(group, 1, head_dim, q.element_size())
+    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
+    tiles = attention_tiles(group, 1, head_dim, q.element_size(), kv_fp8)
     num_splits = effective_splits(num_splits, block_table.shape[1], k_cache.shape[1],
                                          tiles.tile_n)
     upcast, precision = _dot_settings(q.dtype)
-    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, tiles.block_d), dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32,
