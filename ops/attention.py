@@ -12,6 +12,10 @@ after ``query_start_loc[-1]`` produce zeros.
 ``paged_attention_decode_split_kv`` computes the same thing for one query token per sequence,
 splitting each sequence's KV across several programs so long decodes fill the GPU.
 
+fp8 KV cache: with a ``float8_e4m3fn`` cache, q stays in the model's dtype and each op takes
+the cache's per-tensor ``k_scale``/``v_scale`` (one-element float32 tensors, 1.0 when not
+given); keys and values are read as ``cached * scale`` (see ``kv_cache``).
+
 Implementations: the op's default is the readable per-sequence reference (also the test
 oracle); CUDA runs the Triton kernels; CPU registers the batched plain-torch kernel of
 ``cpu_attention`` as a device kernel, the same way CUDA does, so the reference stays the
@@ -19,12 +23,14 @@ op's definition and the fallback for any other device.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from . import cpu_attention
 from .kernels import lazy
-from .kv_cache import check_kv_cache_pair
+from .kv_cache import check_cache_input_dtype, check_kv_cache_pair, check_kv_scale, dequantize_kv
 from .registration import vgraph_op
 
 # Triton kernels, imported on first use (kernels.lazy): CPU calls never need them.
@@ -41,14 +47,16 @@ def _check_index(name: str, t: Tensor, dims: int) -> None:
 
 
 def _check_common(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                  seq_lens: Tensor) -> None:
+                  seq_lens: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor]) -> None:
     """Shape/dtype checks shared by both attention ops (no device data is read)."""
     check_kv_cache_pair(k_cache, v_cache)
     if q.dim() != 3:
         raise ValueError(f"q must be [tokens, q_heads, head_dim], got shape {tuple(q.shape)}")
-    if q.dtype not in _ATTN_DTYPES or q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype} "
-                         f"and be one of {_ATTN_DTYPES}")
+    if q.dtype not in _ATTN_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} must be one of {_ATTN_DTYPES}")
+    check_cache_input_dtype("q", q, k_cache)
+    check_kv_scale("k_scale", k_scale, k_cache)
+    check_kv_scale("v_scale", v_scale, v_cache)
     if q.shape[2] != k_cache.shape[3]:
         raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {k_cache.shape[3]}")
     if q.shape[1] % k_cache.shape[2] != 0:
@@ -61,8 +69,9 @@ def _check_common(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tens
 
 
 def _check_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                           query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int) -> None:
-    _check_common(q, k_cache, v_cache, block_table, seq_lens)
+                           query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
+                           k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+    _check_common(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     _check_index("query_start_loc", query_start_loc, 1)
     if query_start_loc.shape[0] != seq_lens.shape[0] + 1:
         raise ValueError(f"query_start_loc must have num_seqs + 1 = {seq_lens.shape[0] + 1} "
@@ -97,14 +106,16 @@ def attend_causal(q: Tensor, keys: Tensor, values: Tensor, softmax_scale: float)
 
 def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                               query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-                              softmax_scale: float) -> Tensor:
+                              softmax_scale: float, k_scale: Optional[Tensor] = None,
+                              v_scale: Optional[Tensor] = None) -> Tensor:
     """Plain-torch paged attention, one sequence at a time (gather K/V, then masked softmax).
 
     Unlike the kernel it reads the metadata on the host, so it also rejects inconsistent
-    metadata (a query longer than max_query_len or than its sequence).
+    metadata (a query longer than max_query_len or than its sequence). An fp8 cache's rows
+    are dequantized to fp32 (``cached * scale``) before the math.
     """
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     out = q.new_zeros(q.shape)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -118,26 +129,31 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, block
         if seq_len < end - start:
             raise ValueError(f"sequence {i}: seq_len {seq_len} < query length {end - start}")
         keys, values = gather_kv(k_cache, v_cache, block_table[i], seq_len)
+        keys = dequantize_kv(keys, k_scale, torch.float32)
+        values = dequantize_kv(values, v_scale, torch.float32)
         out[start:end] = attend_causal(q[start:end], keys, values, softmax_scale)
     return out
 
 
 def paged_attention_decode_split_kv_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                               block_table: Tensor, seq_lens: Tensor,
-                                              softmax_scale: float, num_splits: int) -> Tensor:
+                                              softmax_scale: float, num_splits: int,
+                                              k_scale: Optional[Tensor] = None,
+                                              v_scale: Optional[Tensor] = None) -> Tensor:
     """Same math as ``paged_attention_reference`` with one query row per sequence.
 
     The split count only changes how the kernel shares work, never the result.
     """
-    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits, k_scale, v_scale)
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_reference(q, k_cache, v_cache, block_table, query_start_loc,
-                                     seq_lens, 1, softmax_scale)
+                                     seq_lens, 1, softmax_scale, k_scale, v_scale)
 
 
 def _check_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                    seq_lens: Tensor, num_splits: int) -> None:
-    _check_common(q, k_cache, v_cache, block_table, seq_lens)
+                    seq_lens: Tensor, num_splits: int, k_scale: Optional[Tensor] = None,
+                    v_scale: Optional[Tensor] = None) -> None:
+    _check_common(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale)
     if q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"split-KV decode takes one query row per sequence: q has "
                          f"{q.shape[0]} rows for {seq_lens.shape[0]} sequences")
@@ -148,73 +164,86 @@ def _check_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
 @vgraph_op("vgraph::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-                    softmax_scale: float) -> Tensor:
-    """Causal attention of a flat variable-length query batch over the paged KV cache."""
+                    softmax_scale: float, k_scale: Optional[Tensor] = None,
+                    v_scale: Optional[Tensor] = None) -> Tensor:
+    """Causal attention of a flat variable-length query batch over the paged KV cache
+    (an fp8 cache read at ``k_scale``/``v_scale``)."""
     return paged_attention_reference(q, k_cache, v_cache, block_table, query_start_loc,
-                                     seq_lens, max_query_len, softmax_scale)
+                                     seq_lens, max_query_len, softmax_scale, k_scale, v_scale)
 
 
 @paged_attention.register_fake
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
       query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-      softmax_scale: float) -> Tensor:
+      softmax_scale: float, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     return q.new_empty(q.shape)
 
 
 @paged_attention.register_kernel("cuda")
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
       query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-      softmax_scale: float) -> Tensor:
+      softmax_scale: float, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     return kernels.paged_attention_triton(q, k_cache, v_cache, block_table, query_start_loc,
-                                          seq_lens, max_query_len, softmax_scale)
+                                          seq_lens, max_query_len, softmax_scale,
+                                          k_scale=k_scale, v_scale=v_scale)
 
 
 @paged_attention.register_kernel("cpu")
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
       query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-      softmax_scale: float) -> Tensor:
+      softmax_scale: float, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
     """Batched CPU kernel: a device kernel rather than the op's default, so the reference
     keeps defining the op (and serving devices without a kernel) while CPU gets the fast path."""
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc,
-                                             seq_lens, max_query_len, softmax_scale)
+                                             seq_lens, max_query_len, softmax_scale,
+                                             kv_scales=(k_scale, v_scale))
 
 
 @vgraph_op("vgraph::paged_attention_decode_split_kv", mutates_args=())
 def paged_attention_decode_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                     block_table: Tensor, seq_lens: Tensor, softmax_scale: float,
-                                    num_splits: int) -> Tensor:
+                                    num_splits: int, k_scale: Optional[Tensor] = None,
+                                    v_scale: Optional[Tensor] = None) -> Tensor:
     """Decode attention (q [S, Hq, D], one token per sequence) with the KV split num_splits ways."""
     return paged_attention_decode_split_kv_reference(q, k_cache, v_cache, block_table, seq_lens,
-                                                     softmax_scale, num_splits)
+                                                     softmax_scale, num_splits, k_scale, v_scale)
 
 
 @paged_attention_decode_split_kv.register_fake
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-      softmax_scale: float, num_splits: int) -> Tensor:
-    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+      softmax_scale: float, num_splits: int, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits, k_scale, v_scale)
     return q.new_empty(q.shape)
 
 
 @paged_attention_decode_split_kv.register_kernel("cuda")
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-      softmax_scale: float, num_splits: int) -> Tensor:
-    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+      softmax_scale: float, num_splits: int, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits, k_scale, v_scale)
     return kernels.paged_attention_decode_split_kv_triton(q, k_cache, v_cache, block_table,
-                                                          seq_lens, softmax_scale, num_splits)
+                                                          seq_lens, softmax_scale, num_splits,
+                                                          k_scale=k_scale, v_scale=v_scale)
 
 
 @paged_attention_decode_split_kv.register_kernel("cpu")
 def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-      softmax_scale: float, num_splits: int) -> Tensor:
-    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+      softmax_scale: float, num_splits: int, k_scale: Optional[Tensor] = None,
+      v_scale: Optional[Tensor] = None) -> Tensor:
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits, k_scale, v_scale)
     return cpu_attention.paged_attention_decode_split_kv_cpu(q, k_cache, v_cache, block_table,
-                                                             seq_lens, softmax_scale, num_splits)
+                                                             seq_lens, softmax_scale, num_splits,
+                                                             kv_scales=(k_scale, v_scale))
 
 
 # ------------------------------------------------------------------ into a caller's buffer
@@ -227,41 +256,48 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, seq_lens
 
 def paged_attention_into(out: Tensor, q: Tensor, k_cache: Tensor, v_cache: Tensor,
                          block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                         max_query_len: int, softmax_scale: float) -> Tensor:
+                         max_query_len: int, softmax_scale: float, k_scale: Optional[Tensor] = None,
+                         v_scale: Optional[Tensor] = None) -> Tensor:
     """``vgraph::paged_attention`` written into ``out`` (shaped like ``q``); returns ``out``."""
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     if q.is_cuda:
         return kernels.paged_attention_triton(q, k_cache, v_cache, block_table, query_start_loc,
-                                              seq_lens, max_query_len, softmax_scale, out=out)
+                                              seq_lens, max_query_len, softmax_scale, out=out,
+                                              k_scale=k_scale, v_scale=v_scale)
     return out.copy_(torch.ops.vgraph.paged_attention(q, k_cache, v_cache, block_table,
                                                       query_start_loc, seq_lens, max_query_len,
-                                                      softmax_scale))
+                                                      softmax_scale, k_scale, v_scale))
 
 
 def paged_attention_with_new_kv(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
                                 block_table: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                                max_query_len: int, softmax_scale: float) -> Tensor:
+                                max_query_len: int, softmax_scale: float,
+                                k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> Tensor:
     """``vgraph::paged_attention`` given also the K/V rows this step just cached (``k``/``v``,
     one per row of q). On CPU, prefills without cached context attend over those rows
-    directly instead of gathering them back out of the cache; the result is the same."""
+    directly instead of gathering them back out of the cache; the result is the same. Not
+    for an fp8 cache, whose rows differ from ``k``/``v`` by the quantization: a prefill must
+    read what later steps will read."""
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-                           max_query_len)
+                           max_query_len, k_scale, v_scale)
     if q.device.type != "cpu" or k.dtype != k_cache.dtype or k.shape[0] != q.shape[0]:
         return torch.ops.vgraph.paged_attention(q, k_cache, v_cache, block_table, query_start_loc,
-                                                seq_lens, max_query_len, softmax_scale)
+                                                seq_lens, max_query_len, softmax_scale, k_scale, v_scale)
     return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc,
                                              seq_lens, max_query_len, softmax_scale, new_kv=(k, v))
 
 
 def paged_attention_decode_split_kv_into(out: Tensor, q: Tensor, k_cache: Tensor,
                                          v_cache: Tensor, block_table: Tensor, seq_lens: Tensor,
-                                         softmax_scale: float, num_splits: int) -> Tensor:
+                                         softmax_scale: float, num_splits: int,
+                                         k_scale: Optional[Tensor] = None,
+                                         v_scale: Optional[Tensor] = None) -> Tensor:
     """``vgraph::paged_attention_decode_split_kv`` written into ``out``; returns ``out``."""
-    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits)
+    _check_split_kv(q, k_cache, v_cache, block_table, seq_lens, num_splits, k_scale, v_scale)
     if q.is_cuda:
         return kernels.paged_attention_decode_split_kv_triton(q, k_cache, v_cache, block_table,
                                                               seq_lens, softmax_scale, num_splits,
-                                                              out=out)
+                                                              out=out, k_scale=k_scale, v_scale=v_scale)
     return out.copy_(torch.ops.vgraph.paged_attention_decode_split_kv(
-        q, k_cache, v_cache, block_table, seq_lens, softmax_scale, num_splits))
+        q, k_cache, v_cache, block_table, seq_lens, softmax_scale, num_splits, k_scale, v_scale))

@@ -26,12 +26,16 @@ upper triangle. The rest are tiled into row ranges and grouped so that a group's
 and gathered K/V stay under fixed budgets, and so that short rows are not padded to the
 length of a long prefill in the same batch. The split is planned once per forward
 (``cached_plan``) and reused by every layer.
+
+An fp8 KV cache goes to the C++ kernels too, which read its rows times their scale. Where
+SDPA serves instead, its gathered rows are dequantized into q's dtype (``cached * scale``,
+``kv_cache.dequantize_kv``) before SDPA, so the gather still moves one byte per element.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +43,11 @@ from torch import Tensor
 
 from . import cpu_attention_native as native
 from .forward_context import metadata_memo
+from .kv_cache import dequantize_kv, is_fp8_cache
+
+# (k_scale, v_scale) of an fp8 cache; None each for 1.0, and for any other cache.
+KVScales = tuple[Optional[Tensor], Optional[Tensor]]
+NO_SCALES: KVScales = (None, None)
 
 # Most (query row, key) pairs one group may cover: its bool mask, which SDPA turns into a
 # float one (64 MiB). Long prefills are tiled by query rows to stay under it.
@@ -204,7 +213,8 @@ def causal_mask(q_lens: Tensor, seq_lens: Tensor, max_q: int, num_keys: int) -> 
 
 
 def attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                 segments: list[Segment], scale: float, out: Tensor) -> None:
+                 segments: list[Segment], scale: float, out: Tensor,
+                 kv_scales: KVScales = NO_SCALES) -> None:
     """Attention for one group of segments, written into their rows of ``out``."""
     device = q.device
     starts = _int_tensor([s.start for s in segments], device)
@@ -216,9 +226,10 @@ def attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
     # Padded query slots repeat the segment's last row, so they index real rows of q.
     row_offsets = torch.arange(max_q, device=device)
     rows = starts[:, None] + torch.minimum(row_offsets[None, :], q_lens[:, None] - 1)
+    keys = dequantize_kv(gather_kv(k_cache, slots, "k"), kv_scales[0], q.dtype)
+    values = dequantize_kv(gather_kv(v_cache, slots, "v"), kv_scales[1], q.dtype)
     result = F.scaled_dot_product_attention(
-        q[rows].transpose(1, 2), gather_kv(k_cache, slots, "k").transpose(1, 2),
-        gather_kv(v_cache, slots, "v").transpose(1, 2),
+        q[rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=causal_mask(q_lens, seq_lens, max_q, max_len)[:, None], scale=scale,
         enable_gqa=True).transpose(1, 2)                                # [S, max_q, Hq, D]
     real = row_offsets[None, :] < q_lens[:, None]
@@ -227,7 +238,8 @@ def attend_group(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tenso
 
 def attend_fresh_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                          seg: Segment, scale: float, out: Tensor,
-                         new_kv: tuple[Tensor, Tensor] | None = None) -> None:
+                         new_kv: tuple[Tensor, Tensor] | None = None,
+                         kv_scales: KVScales = NO_SCALES) -> None:
     """A prefill with no cached context, whose queries are all its keys: SDPA with
     ``is_causal``, which skips the blocks above the diagonal instead of computing them under
     a mask as a padded group must (1.5x faster on the offline suite's prefill).
@@ -241,7 +253,8 @@ def attend_fresh_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tabl
         device = q.device
         slots = cache_slots(block_table, _int_tensor([seg.seq], device), _int_tensor([seg.seq_len], device),
                             seg.seq_len, k_cache.shape[1])
-        keys, values = gather_kv(k_cache, slots, "k")[0], gather_kv(v_cache, slots, "v")[0]
+        keys = dequantize_kv(gather_kv(k_cache, slots, "k")[0], kv_scales[0], q.dtype)
+        values = dequantize_kv(gather_kv(v_cache, slots, "v")[0], kv_scales[1], q.dtype)
     rows = q[seg.start:seg.start + seg.q_len]
     result = F.scaled_dot_product_attention(
         rows.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
@@ -309,7 +322,7 @@ def cached_plan(q: Tensor, k_cache: Tensor, block_table: Tensor, query_start_loc
 
 
 def attend_native_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                           plan: Plan, scale: float) -> Tensor:
+                           plan: Plan, scale: float, kv_scales: KVScales = NO_SCALES) -> Tensor:
     """The C++ kernels' rows of the output; zeros elsewhere (the SDPA path fills its rows)."""
     covered = plan.native_rows + sum(s.q_len for s in plan.fresh) + sum(s.q_len for s in plan.long)
     if plan.native_rows == 0:  # rows no segment covers (padding) must read zero
@@ -318,7 +331,8 @@ def attend_native_in_place(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     out = (torch.empty if every_row else torch.zeros)(q.shape, dtype=torch.float32)
     for spec, long_segments in ((plan.short, False), (plan.tiled, True)):
         if spec is not None:
-            native.attend_segments(q, k_cache, v_cache, block_table, spec, scale, out, long_segments)
+            native.attend_segments(q, k_cache, v_cache, block_table, spec, scale, out, long_segments,
+                                   kv_scales)
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
@@ -326,7 +340,8 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
                         query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
                         softmax_scale: float, pair_budget: int = PAIR_BUDGET,
                         kv_budget_bytes: int = KV_BUDGET_BYTES, native_kernel: bool = True,
-                        new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                        new_kv: tuple[Tensor, Tensor] | None = None,
+                        kv_scales: KVScales = NO_SCALES) -> Tensor:
     """Same contract and results as ``paged_attention_reference``, batched over sequences.
 
     With ``native_kernel`` (the default; the perf suite times both paths) every segment goes
@@ -338,24 +353,29 @@ def paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     on the host here, which is cheap on CPU and lets the batch be grouped by length.
     ``new_kv``: the K/V rows this step wrote into the cache, one per row of q, in the cache's
     dtype (``vgraph::unified_attention`` has them); fresh prefills then read them directly.
+    ``kv_scales``: an fp8 cache's (k_scale, v_scale).
     """
+    if new_kv is not None and is_fp8_cache(k_cache):
+        raise ValueError("new_kv cannot stand in for an fp8 cache's rows, which are quantized")
     plan = cached_plan(q, k_cache, block_table, query_start_loc, seq_lens, max_query_len, native_kernel)
-    out = attend_native_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale)
+    out = attend_native_in_place(q, k_cache, v_cache, block_table, plan, softmax_scale, kv_scales)
     for seg in plan.fresh:
-        attend_fresh_prefill(q, k_cache, v_cache, block_table, seg, softmax_scale, out, new_kv)
+        attend_fresh_prefill(q, k_cache, v_cache, block_table, seg, softmax_scale, out, new_kv, kv_scales)
     tiles = [tile for seg in plan.long for tile in tile_segment(seg, pair_budget)]
-    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
+    # An fp8 group is also held dequantized, in q's dtype: budget by the larger of the two.
+    row_bytes = k_cache.shape[2] * k_cache.shape[3] * max(k_cache.element_size(), q.element_size())
     kv_rows_budget = kv_budget_bytes // row_bytes
     for group in group_segments(tiles, pair_budget, kv_rows_budget):
-        attend_group(q, k_cache, v_cache, block_table, group, softmax_scale, out)
+        attend_group(q, k_cache, v_cache, block_table, group, softmax_scale, out, kv_scales)
     return out
 
 
 def paged_attention_decode_split_kv_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                         block_table: Tensor, seq_lens: Tensor,
-                                        softmax_scale: float, num_splits: int) -> Tensor:
+                                        softmax_scale: float, num_splits: int,
+                                        kv_scales: KVScales = NO_SCALES) -> Tensor:
     """Split-KV decode on CPU: one query row per sequence; the split count changes nothing here."""
     del num_splits  # only shapes the GPU grid
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
     return paged_attention_cpu(q, k_cache, v_cache, block_table, query_start_loc, seq_lens, 1,
-                               softmax_scale)
+                               softmax_scale, kv_scales=kv_scales)

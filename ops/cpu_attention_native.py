@@ -13,12 +13,16 @@ Both take the same argument struct (``csrc/paged_attention_common.h``). The kern
 on first use (``native_build``). Without a working compiler the op keeps the torch path
 (SDPA) for everything, with one warning; ``VGRAPH_CPU_ATTENTION=torch`` forces that path (to
 compare the two, or to rule the kernels out).
+
+An fp8 (e4m3) cache is read like the 16-bit ones, each row converted to float32 as it is
+read, times its cache's per-tensor scale (``k_scale``/``v_scale``, passed by value: on CPU
+there are no graphs to keep a pointer valid for).
 """
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +34,7 @@ from .native_build import NativeBuildError, NativeKernel
 # kernel's GEMM-shaped tiles are faster.
 MAX_QUERY_ROWS = 16
 MAX_HEAD_DIM = 1024
-_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_CACHE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3}
 ENV_SWITCH = "VGRAPH_CPU_ATTENTION"
 
 
@@ -47,7 +51,7 @@ class _Args(ctypes.Structure):
         ("q_heads", ctypes.c_int32), ("kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
         ("block_size", ctypes.c_int32), ("cache_dtype", ctypes.c_int32),
         ("block_table_is_int64", ctypes.c_int32), ("num_threads", ctypes.c_int32),
-        ("scale", ctypes.c_float),
+        ("scale", ctypes.c_float), ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
     ]
 
 
@@ -87,13 +91,19 @@ def supports(q: Tensor, k_cache: Tensor) -> bool:
             and k_cache.shape[-1] <= MAX_HEAD_DIM and k_cache.stride(-1) == 1)
 
 
+def _scale_value(scale: Optional[Tensor]) -> float:
+    return 1.0 if scale is None else float(scale.reshape(()))
+
+
 def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     segments: Sequence[tuple[int, int, int, int]] | Tensor, scale: float,
-                    out: Tensor, long_segments: bool = False) -> None:
+                    out: Tensor, long_segments: bool = False,
+                    kv_scales: tuple[Optional[Tensor], Optional[Tensor]] = (None, None)) -> None:
     """Writes the attention of ``segments`` ((sequence, first row, rows, seq_len) each, or
     those rows as an int64 [n, 4] tensor) into their rows of ``out`` (float32, contiguous,
     same shape as q). ``long_segments``: use the prefill kernel (any length) instead of the
-    short-segment one (at most ``MAX_QUERY_ROWS`` rows each)."""
+    short-segment one (at most ``MAX_QUERY_ROWS`` rows each). ``kv_scales``: an fp8 cache's
+    (k_scale, v_scale), None for 1.0."""
     kernel = _PREFILL_KERNEL if long_segments else _KERNEL
     function = kernel.load()
     if function is None:
@@ -114,7 +124,8 @@ def attend_segments(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         q_heads=q.shape[1], kv_heads=k_cache.shape[2], head_dim=k_cache.shape[3],
         block_size=k_cache.shape[1], cache_dtype=_CACHE_DTYPES[k_cache.dtype],
         block_table_is_int64=int(table.dtype == torch.int64),
-        num_threads=torch.get_num_threads(), scale=scale)
+        num_threads=torch.get_num_threads(), scale=scale, k_scale=_scale_value(kv_scales[0]),
+        v_scale=_scale_value(kv_scales[1]))
     failed = function(ctypes.byref(args))
     if failed:
         seq = int(failed) - 1

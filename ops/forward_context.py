@@ -67,6 +67,10 @@ class ForwardContext:
     # forward (the metadata cannot change within one); emptied on every entry and exit of
     # ``set_forward_context``. See ``metadata_memo``.
     memo: dict[Any, Any] = field(default_factory=dict)
+    # Per layer (k_scale, v_scale) of an fp8 KV cache: one-element float32 tensors on the
+    # device, allocated once, so a captured graph reads their values at replay. None: the
+    # caches are not quantized (or every scale is 1.0).
+    kv_scales: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 class _Current(threading.local):

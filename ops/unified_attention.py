@@ -6,6 +6,7 @@ one captured graph serves every batch. The op writes the new K/V into the layer'
 attends over it, choosing the split-KV decode kernel for pure-decode batches when the
 metadata asks for it. Under PIECEWISE CUDA graphs it writes each layer's output into a
 persistent buffer the graphs provide, so the next piece's graph reads it where it lies.
+An fp8 KV cache's per-layer scales come from the context too (``ForwardContext.kv_scales``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from .attention import (paged_attention_decode_split_kv_into, paged_attention_in
 from .forward_context import AttentionMetadata, ForwardContext, get_forward_context
 from .registration import vgraph_op
 
+Scales = tuple[Optional[Tensor], Optional[Tensor]]
+
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
@@ -30,23 +33,24 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _write_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata, scales: Scales) -> None:
     """Caches the step's K/V; rows past the metadata's tokens (bucket padding) write nothing."""
     num_tokens = meta.slot_mapping.shape[0]
     if num_tokens > k.shape[0]:
         raise ValueError(f"slot_mapping has {num_tokens} entries for {k.shape[0]} tokens")
     torch.ops.vgraph.reshape_and_cache(k[:num_tokens], v[:num_tokens], k_cache, v_cache,
-                                       meta.slot_mapping)
+                                       meta.slot_mapping, *scales)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-            meta: AttentionMetadata, softmax_scale: float, out: Optional[Tensor]) -> Tensor:
+            meta: AttentionMetadata, softmax_scale: float, out: Optional[Tensor],
+            scales: Scales) -> Tensor:
     """The attention of every row of ``q``, written into ``out`` when one is given. ``k``/``v``
     are the rows just cached: the CPU kernel reads fresh prefills' keys from them."""
     if meta.max_query_len == 1 and meta.num_kv_splits > 1:
-        return _attend_decode_split_kv(q, k_cache, v_cache, meta, softmax_scale, out)
+        return _attend_decode_split_kv(q, k_cache, v_cache, meta, softmax_scale, out, scales)
     args = (q, k_cache, v_cache, meta.block_table, meta.query_start_loc, meta.seq_lens,
-            meta.max_query_len, softmax_scale)
+            meta.max_query_len, softmax_scale, *scales)
     if out is not None:
         return paged_attention_into(out, *args)
     if q.device.type == "cpu" and meta.max_query_len > 1 and q.shape[0] == k.shape[0]:
@@ -55,14 +59,14 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
 
 
 def _attend_decode_split_kv(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                            softmax_scale: float, out: Optional[Tensor]) -> Tensor:
+                            softmax_scale: float, out: Optional[Tensor], scales: Scales) -> Tensor:
     """Pure decode: query row i is sequence i's only new token; rows past the sequences
     (bucket padding) are zeros."""
     num_seqs = meta.num_seqs
     if num_seqs > q.shape[0]:
         raise ValueError(f"decode batch has {num_seqs} sequences but only {q.shape[0]} rows")
     args = (q[:num_seqs], k_cache, v_cache, meta.block_table, meta.seq_lens, softmax_scale,
-            meta.num_kv_splits)
+            meta.num_kv_splits, *scales)
     if out is not None:
         paged_attention_decode_split_kv_into(out[:num_seqs], *args)
         out[num_seqs:].zero_()
@@ -98,9 +102,11 @@ def unified_attention(q: Tensor, k: Tensor, v: Tensor, layer_idx: int) -> Tensor
     if not 0 <= layer_idx < len(ctx.kv_caches):
         raise ValueError(f"layer_idx {layer_idx} out of range for {len(ctx.kv_caches)} KV caches")
     k_cache, v_cache = ctx.kv_caches[layer_idx]
+    scales: Scales = (None, None) if ctx.kv_scales is None else tuple(ctx.kv_scales[layer_idx])
     meta = ctx.attn_metadata
-    _write_cache(k, v, k_cache, v_cache, meta)
-    return _attend(q, k, v, k_cache, v_cache, meta, ctx.softmax_scale, _output_buffer(ctx, layer_idx, q))
+    _write_cache(k, v, k_cache, v_cache, meta, scales)
+    return _attend(q, k, v, k_cache, v_cache, meta, ctx.softmax_scale, _output_buffer(ctx, layer_idx, q),
+                   scales)
 
 
 @unified_attention.register_fake

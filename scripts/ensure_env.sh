@@ -21,7 +21,7 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
     torch_build="the CUDA build of torch"
     [ ${#constraints[@]} -gt 0 ] && torch_build="the CPU build of torch (no GPU driver here)"
     echo "[vgraph] installing vgraph (editable) and its dependencies into $venv: $torch_build, triton," \
-         "transformers, FastAPI/uvicorn, and the dev tools (pytest, openai, litellm, lm-eval, mkdocs)" >&2
+         "transformers, FastAPI/uvicorn, and the dev tools (pytest, openai, litellm, langchain-openai, lm-eval, mkdocs)" >&2
     echo "[vgraph] this takes about 90 s on a 2-core machine with a warm package cache (longer when" \
          "packages must be downloaded); later runs skip it until pyproject.toml changes" >&2
     "$venv/bin/python" -m pip install -q "${constraints[@]}" -e "$root[dev]"

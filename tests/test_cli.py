@@ -344,18 +344,22 @@ def test_a_vllm_serve_command_line_parses_into_vgraph_settings():
     (["-O", '{"pass_config": {"enable_fusion": false}}'], "enable_fusion", False),
     (["--compilation-config", '{"custom_ops": ["none"]}'], "custom_ops", False),
     (["-O", '{"max_cudagraph_capture_size": 64}'], "max_capture_size", 64),
+    (["--kv-cache-dtype", "fp8"], "kv_cache_dtype", "fp8"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8"),
+    (["--kv-cache-dtype", "auto"], "kv_cache_dtype", "auto"),
 ])
 def test_vllm_spellings_set_vgraph_fields(flags, field, value):
     from vgraph import cli
     from vgraph.config import EngineConfig
     config = EngineConfig.from_kwargs("m", **cli._engine_kwargs(_parse("serve", *flags)))
     section = {"enable_prefix_caching": config.cache, "num_gpu_blocks": config.cache, "dtype": config.model,
+               "kv_cache_dtype": config.cache,
                "enable_chunked_prefill": config.scheduler, "tensor_parallel_size": config.parallel}
     assert getattr(section.get(field, config.compile), field) == value
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: vgraph keeps the KV cache in the model's dtype"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "kv_cache_dtype fp8_e5m2 is not supported: vgraph's fp8 KV cache is e4m3"),
     (["--generation-config", "/no/such/dir"], "generation_config '/no/such/dir' is neither vllm, auto nor a "
                                               "directory holding a generation_config.json"),
     (["-O", '{"use_inductor": true}'], "-O/--compilation-config: unknown key 'use_inductor'"),

@@ -126,7 +126,6 @@ def _here_notes() -> dict[str, str]:
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """``EngineConfig.from_kwargs`` keywords from the parsed engine options (the model apart)."""
     from vgraph.config import FIELD_SECTION
-    vllm_compat.check(args)
     kwargs = {name: getattr(args, name) for name in FIELD_SECTION}
     if args.compilation_config is not None:
         _apply_compilation_config(kwargs, args.compilation_config)

@@ -30,6 +30,11 @@ LOAD_FORMATS = ("auto", "dummy")
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("fp8",)
+# The KV cache's dtypes, as vLLM spells them: auto is the model's dtype; fp8 and fp8_e4m3 are
+# one setting (e4m3 with per-tensor scales). fp8_e5m2 is a choice so that it is refused with
+# the reason (see CacheConfig) rather than as an unknown value.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_KV_CACHE_DTYPE_ALIASES = {"fp8_e4m3": "fp8"}
 
 
 def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -176,6 +181,11 @@ class CacheConfig:
         aliases=["--num-gpu-blocks-override"]))
     cpu_kv_cache_gib: float = field(default=1.0, metadata=cli(
         "CPU only: KV cache size in GiB (on CUDA, --gpu-memory-utilization sizes it)", flag="--kv-cache-gib"))
+    # "fp8_e4m3" is made "fp8" when the config is built, so both spellings give equal configs.
+    kv_cache_dtype: str = field(default="auto", metadata=cli(
+        "the KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: e4m3 with one scale for K and one "
+        "for V per layer, from the checkpoint's k_scale/v_scale tensors, else 1.0; half the memory of a "
+        "16-bit cache, so twice the tokens). fp8_e5m2 is refused", choices=list(KV_CACHE_DTYPES)))
 
     def __post_init__(self) -> None:
         if self.block_size is not None and self.block_size < 1:
@@ -186,6 +196,23 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be at least 1, got {self.num_gpu_blocks}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib}")
+        object.__setattr__(self, "kv_cache_dtype",
+                           _KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype))
+        if self.kv_cache_dtype == "fp8_e5m2":
+            raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: vgraph's fp8 KV cache is e4m3 with "
+                             "per-tensor scales (use fp8 or fp8_e4m3)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; choose one of "
+                             f"{', '.join(KV_CACHE_DTYPES[:3])}")
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype == "fp8"
+
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the KV cache is allocated in: e4m3 for fp8, else the model's (activation)
+        dtype, which is only known once the checkpoint is read."""
+        return torch.float8_e4m3fn if self.fp8_kv_cache else model_dtype
 
     def resolved(self, device_type: str) -> "CacheConfig":
         """The block size decided for the device."""

@@ -97,21 +97,12 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                         "object whose keys set the compile options above (level, cudagraph_mode, "
                         "cudagraph_capture_sizes, compile_sizes, splitting_ops, max_capture_size, "
                         "debug_dump_path, custom_ops, pass_config); default: none, the options' own defaults")
-    g.add_argument("--kv-cache-dtype", default="auto",
-                   help="the KV cache's dtype: only auto, the model's dtype (default: auto)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted; vgraph never runs code from a checkpoint: it runs its own model "
                         "implementations, and a model it has none for is refused at load (off by default)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="accepted; vgraph logs no periodic engine statistics, so there is nothing to turn off "
                         "(its statistics are on /metrics) (off by default)")
-
-
-def check(args: argparse.Namespace) -> None:
-    """Refuses, in one line each, the values of vLLM's flags that ask for what vgraph lacks."""
-    if args.kv_cache_dtype != "auto":
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: vgraph keeps the KV cache in the model's dtype; "
-                         "only auto is accepted (a quantized KV cache is not implemented)")
 
 
 # The sampling settings a checkpoint's generation_config.json may recommend, as vLLM reads them.

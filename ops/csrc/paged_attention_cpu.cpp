@@ -316,9 +316,9 @@ void attend_chunk(const PagedAttentionArgs& a, const Item& it, Scratch& s, const
     const int keys = std::min(bs, c.keys - b * bs);
     const size_t at = static_cast<size_t>(b) * bs * d;
     k[b] = rows_as_float(a.k_cache, c.blocks[b] * a.k_strides[0] + kv * a.k_strides[2],
-                         a.k_strides[1], a.cache_dtype, keys, d, s.k_block.data() + at, &k_stride);
+                         a.k_strides[1], a.cache_dtype, keys, d, s.k_block.data() + at, &k_stride, a.k_scale);
     v[b] = rows_as_float(a.v_cache, c.blocks[b] * a.v_strides[0] + kv * a.v_strides[2],
-                         a.v_strides[1], a.cache_dtype, keys, d, s.v_block.data() + at, &v_stride);
+                         a.v_strides[1], a.cache_dtype, keys, d, s.v_block.data() + at, &v_stride, a.v_scale);
   }
   const int local = (kv - it.kv_begin) * it.group;
   for (int64_t j = 0; j < it.q_len; ++j) {
@@ -369,7 +369,7 @@ inline float touch_rows(const char* base, int64_t token_bytes, int keys, int64_t
 // a Zen 4 VM: software prefetch of the next one or two blocks (any hint), and sweeping the
 // next block in slices between the current block's head passes.
 void touch_block(const PagedAttentionArgs& a, const Item& it, Scratch& s, int64_t block, int keys) {
-  const int elem = a.cache_dtype == kFloat32 ? 4 : 2;
+  const int elem = element_bytes(a.cache_dtype);
   const int64_t bytes = static_cast<int64_t>(it.kv_end - it.kv_begin) * a.head_dim * elem;
   const char* k = static_cast<const char*>(a.k_cache) +
                   (block * a.k_strides[0] + it.kv_begin * a.k_strides[2]) * elem;

@@ -319,10 +319,10 @@ bool key_rows(const PagedAttentionArgs& a, int64_t seq, int64_t t0, int count, i
     int64_t k_stride, v_stride;
     const float* k = rows_as_float(a.k_cache, block * a.k_strides[0] + slot * a.k_strides[1] + kv * a.k_strides[2],
                                    a.k_strides[1], a.cache_dtype, run, a.head_dim,
-                                   &s.k_rows[static_cast<size_t>(t) * a.head_dim], &k_stride);
+                                   &s.k_rows[static_cast<size_t>(t) * a.head_dim], &k_stride, a.k_scale);
     const float* v = rows_as_float(a.v_cache, block * a.v_strides[0] + slot * a.v_strides[1] + kv * a.v_strides[2],
                                    a.v_strides[1], a.cache_dtype, run, a.head_dim,
-                                   &s.v_rows[static_cast<size_t>(t) * a.head_dim], &v_stride);
+                                   &s.v_rows[static_cast<size_t>(t) * a.head_dim], &v_stride, a.v_scale);
     for (int i = 0; i < run; ++i) {
       s.keys[t + i] = k + i * k_stride;
       s.values[t + i] = v + i * v_stride;

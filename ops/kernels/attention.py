@@ -37,6 +37,13 @@ Offsets: a block id times the cache's block stride can pass 2^31 elements (a cac
 than 4 GiB in bf16), so block ids are widened to int64 before the multiply, as are token
 and sequence indices that multiply a row stride.
 
+fp8 KV cache (``KV_FP8``): tiles are loaded as e4m3 and widened to q's dtype (exact: every
+e4m3 value is a bf16, fp16 and fp32 value), so the dots run as for a 16-bit cache. The
+per-tensor scales are folded in rather than applied per element: softmax(q . (k * ks)) =
+softmax((q . k) * ks), so ``k_scale`` multiplies the score scale once per program, and
+sum(p * v * vs) / l = vs * sum(p * v) / l, so ``v_scale`` multiplies the output once. Both
+are loaded from their one-element tensors on the device, so CUDA graphs follow them.
+
 Dots: head_dim is padded to a power of two >= 16 and tiles are >= 16 (tl.dot's minimum),
 with masks. Under the interpreter dot operands are upcast to fp32 (``DOT_UPCAST``); fp32
 dots use IEEE precision so compiled fp32 results are not rounded through TF32.
@@ -51,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, next_pow2
+from .common import DOT_UPCAST, kv_scale_args, next_pow2
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16
@@ -79,7 +86,7 @@ class AttentionTiles:
 
 
 def attention_tiles(group: int, max_query_len: int, head_dim: int,
-                    elem_bytes: int = 2) -> AttentionTiles:
+                    elem_bytes: int = 2, fp8_cache: bool = False) -> AttentionTiles:
     """Tile shapes for a launch over a cache of ``elem_bytes``-byte elements.
 
     16-bit caches: decode (one query token) gets the smallest row block that holds the GQA
@@ -90,12 +97,16 @@ def attention_tiles(group: int, max_query_len: int, head_dim: int,
     without spills (tests/ops/sm90_compile.py). fp32 caches are the exactness path: their
     IEEE dots run without tensor cores and spilled at every prefill tile tried above 16 x 16
     (32-128 rows, 16-64 keys), so they keep the smallest rows and 16-key tiles.
+
+    ``elem_bytes`` is q's (an fp8 cache's tiles are widened to q's dtype). fp32 q over an fp8
+    cache (``fp8_cache``) takes 8 warps: with 4, widening e4m3 tiles to fp32 for the IEEE dots
+    took 255 registers and spilled 1 KiB at every shape tried for sm_90; with 8, 170 and none.
     """
     block_d = max(MIN_DOT, next_pow2(head_dim))
     min_rows = max(MIN_DOT, next_pow2(group))
     if elem_bytes > 2:
         return AttentionTiles(block_m=min_rows, block_q=min_rows // group, tile_n=MIN_DOT,
-                              block_d=block_d, num_warps=4)
+                              block_d=block_d, num_warps=8 if fp8_cache else 4)
     wide = block_d > _WIDE_HEAD
     max_rows = _MAX_ROWS_WIDE_HEAD if wide else _MAX_ROWS_NARROW_HEAD
     block_m = max(min_rows, min(max_rows, next_pow2(max(max_query_len, 1) * group)))
@@ -121,9 +132,13 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_pos, kv_mask, kv_head, 
 
 @triton.jit
 def _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2, MASKED: tl.constexpr,
-                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over a key tile; ``allowed`` [BLOCK_M, TILE_N] is applied
-    only when MASKED (tiles below the causal diagonal and inside the sequence need none)."""
+    only when MASKED (tiles below the causal diagonal and inside the sequence need none).
+    KV_FP8: the tile is e4m3, widened to q's dtype here (its scales are applied outside)."""
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -144,14 +159,15 @@ def _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2, MASKED: tl.conste
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                             block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-                            scale_log2, head_dim,
+                            k_scale_ptr, v_scale_ptr, scale_log2, head_dim,
                             stride_qt, stride_qh, stride_qd,
                             stride_ot, stride_oh, stride_od,
                             stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                             TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr,
-                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            KV_FP8: tl.constexpr):
     first_tok = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q  # longest blocks first
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -161,6 +177,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     if (first_tok >= q_len) | (seq_len <= 0):
         return  # nothing to do; padding rows keep the zeros the launcher wrote
     context_len = seq_len - q_len
+    if KV_FP8:  # k_scale folds into the score scale (module doc)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     rows = tl.arange(0, BLOCK_M)
     tok = first_tok + rows // GROUP
@@ -190,7 +208,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_pos, k_pos < kv_end, kv_head,
                              dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, None, scale_log2, False,
-                                      UPCAST, DOT_PRECISION)
+                                      UPCAST, DOT_PRECISION, KV_FP8)
     for t in range(unmasked_tiles, tl.cdiv(kv_end, TILE_N)):
         k_pos = t * TILE_N + offs_n
         kv_mask = k_pos < kv_end
@@ -198,22 +216,25 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                              dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
         allowed = kv_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, allowed, scale_log2, True,
-                                      UPCAST, DOT_PRECISION)
+                                      UPCAST, DOT_PRECISION, KV_FP8)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:  # and v_scale into the output
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + row_tok[:, None] * stride_ot + head[:, None] * stride_oh
              + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _split_kv_stage1_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr,
-                            block_table_ptr, seq_lens_ptr,
+                            block_table_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
                             scale_log2, head_dim, num_q_heads, num_splits,
                             stride_qt, stride_qh, stride_qd,
                             stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                            UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            KV_FP8: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -222,6 +243,8 @@ def _split_kv_stage1_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_
     tile_start = split * per_split
     tile_end = tl.minimum(tile_start + per_split, tl.cdiv(seq_len, TILE_N))
     full_tiles = seq_len // TILE_N  # tiles with no key past the sequence's end
+    if KV_FP8:  # k_scale folds into the score scale (module doc)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     rows = tl.arange(0, BLOCK_M)
     head = kv_head * GROUP + rows
@@ -243,17 +266,19 @@ def _split_kv_stage1_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_pos, k_pos < seq_len, kv_head,
                              dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, None, scale_log2, False,
-                                      UPCAST, DOT_PRECISION)
+                                      UPCAST, DOT_PRECISION, KV_FP8)
     for t in range(tl.maximum(tile_start, full_tiles), tile_end):  # the partial last tile
         k_pos = t * TILE_N + offs_n
         kv_mask = k_pos < seq_len
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_pos, kv_mask, kv_head,
                              dims, dim_mask, stride_cb, stride_cs, stride_ch, stride_cd, BLOCK_SIZE)
         acc, m_i, l_i = _softmax_step(q, k, v, acc, m_i, l_i, kv_mask[None, :], scale_log2, True,
-                                      UPCAST, DOT_PRECISION)
+                                      UPCAST, DOT_PRECISION, KV_FP8)
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     part = (seq.to(tl.int64) * num_q_heads + head) * num_splits + split
     tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out,
@@ -307,12 +332,15 @@ def _zeroed_output(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, query_start_loc: torch.Tensor,
                            seq_lens: torch.Tensor, max_query_len: int,
-                           softmax_scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           softmax_scale: float, out: Optional[torch.Tensor] = None,
+                           k_scale: Optional[torch.Tensor] = None,
+                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal paged attention for a flat batch of variable-length queries; see module doc.
 
     Rows of ``q`` outside every sequence (and rows of padding sequences) come back as zeros.
     ``out``: a tensor shaped like ``q`` to write the result into (and return), so a caller
     that keeps its output at one address (PIECEWISE graphs) needs no copy afterwards.
+    ``k_scale``/``v_scale``: an fp8 cache's per-tensor scales.
     """
     _check_same_layout(k_cache, v_cache)
     out = _zeroed_output(q, out)
@@ -320,16 +348,18 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0 or max_query_len <= 0 or q.shape[0] == 0:
         return out
     group = q.shape[1] // k_cache.shape[2]
-    tiles = attention_tiles(group, max_query_len, k_cache.shape[3], k_cache.element_size())
-    upcast, precision = _dot_settings(k_cache.dtype)
+    # Tiles and dot precision follow q's dtype: an fp8 cache's tiles are widened to it.
+    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
+    tiles = attention_tiles(group, max_query_len, k_cache.shape[3], q.element_size(), kv_fp8)
+    upcast, precision = _dot_settings(q.dtype)
     grid = (triton.cdiv(max_query_len, tiles.block_q), num_seqs, k_cache.shape[2])
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens,
+        q, k_cache, v_cache, out, block_table, query_start_loc, seq_lens, k_scale_t, v_scale_t,
         softmax_scale * LOG2E, k_cache.shape[3],
         *q.stride(), *out.stride(), *k_cache.stride(), block_table.stride(0),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_q, TILE_N=tiles.tile_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=k_cache.shape[1],
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=tiles.num_warps)
+        UPCAST=upcast, DOT_PRECISION=precision, KV_FP8=kv_fp8, num_warps=tiles.num_warps)
     return out
 
 
@@ -343,11 +373,13 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
                                            v_cache: torch.Tensor, block_table: torch.Tensor,
                                            seq_lens: torch.Tensor, softmax_scale: float,
                                            num_splits: int,
-                                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                           out: Optional[torch.Tensor] = None,
+                                           k_scale: Optional[torch.Tensor] = None,
+                                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decode attention (one query token per sequence) split over the KV length; see module doc.
 
-    ``num_splits`` is capped by the key tiles the block table can hold. ``out`` as in
-    ``paged_attention_triton``.
+    ``num_splits`` is capped by the key tiles the block table can hold. ``out``, ``k_scale``
+    and ``v_scale`` as in ``paged_attention_triton``.
     """
     _check_same_layout(k_cache, v_cache)
     num_seqs, num_q_heads, head_dim = q.shape
@@ -355,20 +387,21 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
     if num_seqs == 0:
         return out
     group = num_q_heads // k_cache.shape[2]
-    tiles = attention_tiles(group, 1, head_dim, k_cache.element_size())
+    k_scale_t, v_scale_t, kv_fp8 = kv_scale_args(k_cache, k_scale, v_scale)
+    tiles = attention_tiles(group, 1, head_dim, q.element_size(), kv_fp8)
     num_splits = effective_splits(num_splits, block_table.shape[1], k_cache.shape[1],
                                          tiles.tile_n)
-    upcast, precision = _dot_settings(k_cache.dtype)
+    upcast, precision = _dot_settings(q.dtype)
     part_out = torch.empty((num_seqs, num_q_heads, num_splits, tiles.block_d), dtype=torch.float32,
                            device=q.device)
     part_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32,
                            device=q.device)
     _split_kv_stage1_kernel[(num_seqs, k_cache.shape[2], num_splits)](
-        q, k_cache, v_cache, part_out, part_lse, block_table, seq_lens,
+        q, k_cache, v_cache, part_out, part_lse, block_table, seq_lens, k_scale_t, v_scale_t,
         softmax_scale * LOG2E, head_dim, num_q_heads, num_splits,
         *q.stride(), *k_cache.stride(), block_table.stride(0),
         GROUP=group, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_D=tiles.block_d,
-        BLOCK_SIZE=k_cache.shape[1], UPCAST=upcast, DOT_PRECISION=precision,
+        BLOCK_SIZE=k_cache.shape[1], UPCAST=upcast, DOT_PRECISION=precision, KV_FP8=kv_fp8,
         num_warps=tiles.num_warps)
     _split_kv_stage2_kernel[(num_seqs, num_q_heads)](
         part_out, part_lse, out, head_dim, num_q_heads, num_splits, *out.stride(),

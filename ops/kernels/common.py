@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -20,6 +21,20 @@ DOT_UPCAST: bool = INTERPRETED
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
+
+
+def kv_scale_args(k_cache: torch.Tensor, k_scale: Optional[torch.Tensor],
+                  v_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(k_scale, v_scale, is_fp8) for a kernel launch over this cache: an fp8 cache's scale
+    tensors (1.0 where one is not given: a new tensor, which only a caller outside the engine
+    gets, never a captured graph, since the engine always passes its own); for any other
+    cache the kernels never read them, so the cache itself stands in as the pointer."""
+    if k_cache.dtype != FP8_DTYPE:
+        return k_cache, k_cache, False
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=k_cache.device)
+        k_scale, v_scale = (one if k_scale is None else k_scale), (one if v_scale is None else v_scale)
+    return k_scale, v_scale, True
 
 
 def rows_and_width(x: torch.Tensor) -> tuple[int, int]:

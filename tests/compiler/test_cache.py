@@ -15,7 +15,7 @@ from vgraph.compiler.backend import VgraphBackend
 from vgraph.compiler.cache import CompileCache
 from vgraph.compiler.compiled_forward import CompiledForward
 from vgraph.compiler.build import config_key
-from vgraph.config import CompileConfig, EngineConfig, ModelConfig
+from vgraph.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig
 from vgraph.models.checkpoint_record import ModelConfigView
 from vgraph.models.loader import load_hf_config
 
@@ -101,7 +101,8 @@ def _key(**changes) -> str:
     hf = ModelConfigView({**load_hf_config(path).to_dict(), **changes.pop("hf", {})})
     model = ModelConfig(model=path, quantization=changes.pop("quantization", None))
     compile_config = CompileConfig(**changes.pop("compile", {}))
-    config = EngineConfig(model=model, compile=compile_config)
+    config = EngineConfig(model=model, compile=compile_config,
+                          cache=CacheConfig(kv_cache_dtype=changes.pop("kv_cache_dtype", "auto")))
     return config_key(config, hf, changes.pop("dtype", torch.float32), changes.pop("passes", "p1"),
                       torch.device("cpu"), changes.pop("layout", {"Linear": 4}), **changes)
 
@@ -112,6 +113,8 @@ def test_cache_key_covers_what_changes_the_output(monkeypatch):
     assert _key(hf={"rms_norm_eps": 1e-3}) != base
     assert _key(dtype=torch.bfloat16) != base
     assert _key(quantization="fp8") != base
+    assert _key(kv_cache_dtype="fp8") != base, "a graph over a bf16 KV cache never serves an fp8 one"
+    assert _key(kv_cache_dtype="fp8_e4m3") == _key(kv_cache_dtype="fp8"), "one setting, two spellings"
     assert _key(passes="p2") != base
     assert _key(compile={"custom_ops": False}) != base
     assert _key(compile={"compile_sizes": [8]}) != base

@@ -78,17 +78,20 @@ def compile_launch(case: str, name: str, kernel: Any, launch: Launch) -> Usage:
 
 
 def _attention_case(group: int, query_len: int, head_dim: int, dtype: torch.dtype,
-                    splits: int = 1) -> Callable[[], None]:
+                    splits: int = 1, fp8_cache: bool = False) -> Callable[[], None]:
+    """A launch over a cache of ``dtype``, or of e4m3 (``fp8_cache``, with its scales)."""
     kv_heads, seqs = 8, 2
     q = torch.empty(seqs * query_len, kv_heads * group, head_dim, dtype=dtype)
-    cache = torch.empty(64, 16, kv_heads, head_dim, dtype=dtype)
+    cache = torch.empty(64, 16, kv_heads, head_dim, dtype=torch.float8_e4m3fn if fp8_cache else dtype)
     table = torch.empty(seqs, 64, dtype=torch.int32)
     lens = torch.full((seqs,), query_len, dtype=torch.int32)
     starts = torch.arange(seqs + 1, dtype=torch.int32) * query_len
+    scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if fp8_cache else {}
     if splits > 1:
         return lambda: attention.paged_attention_decode_split_kv_triton(q, cache, cache, table, lens,
-                                                                        0.1, splits)
-    return lambda: attention.paged_attention_triton(q, cache, cache, table, starts, lens, query_len, 0.1)
+                                                                        0.1, splits, **scales)
+    return lambda: attention.paged_attention_triton(q, cache, cache, table, starts, lens, query_len, 0.1,
+                                                    **scales)
 
 
 def _row_cases(width: int) -> list[tuple[str, Any, list[str], Callable[[], None]]]:
@@ -126,6 +129,11 @@ def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
              _attention_case(g, 1, d, dt, splits=8))
             for g, d, dt in [(1, 128, bf16), (4, 128, bf16), (8, 64, bf16), (4, 256, bf16),
                              (4, 128, torch.float32), (4, 256, torch.float32)]]
+    out += [(f"{kind} g4 q{q} d{d} {str(dt)[6:]} over fp8 KV", attention, names,
+             _attention_case(4, q, d, dt, splits, fp8_cache=True))
+            for kind, names, q, splits in [("attention", unified, 1, 1), ("attention", unified, 2048, 1),
+                                           ("split-KV", split, 1, 8)]
+            for d, dt in [(128, bf16), (256, bf16), (128, torch.float16), (128, torch.float32)]]
     for width in (4096, 8192, 16384):
         out += _row_cases(width)
     x = torch.empty(2, 2 * 14336, dtype=bf16)
@@ -135,6 +143,10 @@ def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
     out.append(("reshape_and_cache", kv_cache, ["_reshape_and_cache_kernel"],
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, cache, cache,
                                                           torch.zeros(2, dtype=torch.long))))
+    fp8_cache = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
+    out.append(("reshape_and_cache into fp8", kv_cache, ["_reshape_and_cache_kernel"],
+                lambda: kv_cache.reshape_and_cache_triton(kv, kv, fp8_cache, fp8_cache, torch.zeros(2, dtype=torch.long),
+                                                          torch.ones(1), torch.ones(1))))
     return out
 
 

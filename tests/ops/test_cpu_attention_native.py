@@ -81,20 +81,20 @@ def routes(monkeypatch):
     calls = types.SimpleNamespace(native=[], tiled=[], sdpa=[])
     real_native, real_group = native.attend_segments, cpu_attention.attend_group
 
-    def native_spy(q, k_cache, v_cache, block_table, segments, scale, out, long_segments=False):
+    def native_spy(q, k_cache, v_cache, block_table, segments, scale, out, long_segments=False, *rest):
         rows = segments.tolist() if isinstance(segments, torch.Tensor) else segments
         (calls.tiled if long_segments else calls.native).extend(tuple(s) for s in rows)
-        return real_native(q, k_cache, v_cache, block_table, segments, scale, out, long_segments)
+        return real_native(q, k_cache, v_cache, block_table, segments, scale, out, long_segments, *rest)
 
-    def group_spy(q, k_cache, v_cache, block_table, segments, scale, out):
+    def group_spy(q, k_cache, v_cache, block_table, segments, scale, out, *rest):
         calls.sdpa.extend((s.seq, s.start, s.q_len, s.seq_len) for s in segments)
-        return real_group(q, k_cache, v_cache, block_table, segments, scale, out)
+        return real_group(q, k_cache, v_cache, block_table, segments, scale, out, *rest)
 
     real_fresh = cpu_attention.attend_fresh_prefill
 
-    def fresh_spy(q, k_cache, v_cache, block_table, seg, scale, out, new_kv=None):
+    def fresh_spy(q, k_cache, v_cache, block_table, seg, scale, out, new_kv=None, *rest):
         calls.sdpa.append((seg.seq, seg.start, seg.q_len, seg.seq_len))
-        return real_fresh(q, k_cache, v_cache, block_table, seg, scale, out, new_kv)
+        return real_fresh(q, k_cache, v_cache, block_table, seg, scale, out, new_kv, *rest)
 
     monkeypatch.setattr(cpu_attention.native, "attend_segments", native_spy)
     monkeypatch.setattr(cpu_attention, "attend_group", group_spy)

@@ -59,6 +59,18 @@ def _profile(total: int = TOTAL) -> MemoryProfile:
 SPEC = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)  # 2 MiB
 
 
+def test_an_fp8_kv_cache_block_is_half_a_bf16_one():
+    """--kv-cache-dtype fp8: the same memory holds twice the tokens."""
+    fp8 = KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.float8_e4m3fn)
+    assert SPEC.bytes_per_block == 2 * 1024 * 1024 and fp8.bytes_per_block == SPEC.bytes_per_block // 2
+    assert fp8.dtype_name == "float8_e4m3fn"
+    cache = CacheConfig(kv_cache_dtype="fp8", cpu_kv_cache_gib=1.0)
+    assert cache.kv_torch_dtype(torch.bfloat16) == torch.float8_e4m3fn
+    assert CacheConfig().kv_torch_dtype(torch.bfloat16) == torch.bfloat16
+    cpu = torch.device("cpu")
+    assert num_blocks_for(fp8, cache, cpu) == 2 * num_blocks_for(SPEC, cache, cpu)
+
+
 def test_cuda_blocks_come_from_the_budget():
     cache = CacheConfig(gpu_memory_utilization=UTIL)
     blocks = num_blocks_for(SPEC, cache, CUDA, _profile(), graph_reserve=GIB)
@@ -170,7 +182,7 @@ def test_profile_records_what_the_budget_needs(monkeypatch):
     config = SimpleNamespace(cache=CacheConfig(), max_model_len=32,
                              scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4))
     fake_runner = SimpleNamespace(device=CUDA, config=config, spec=spec, model=None, softmax_scale=1.0,
-                                  builder=None, _step=step)
+                                  builder=None, _step=step, kv_scales=None)
     profile = runner_module.ModelRunner._profile_memory(fake_runner)
     assert (profile.peak_bytes, profile.peak_reserved_bytes) == (24 * GIB, 25 * GIB)
     assert (profile.resident_bytes, profile.tokens) == (16 * GIB, 64)

@@ -1,7 +1,8 @@
 """The compile cache's key: what it is made of, and the passes whose identity is part of it.
 
 The key is content-based: versions, the device, the model's config and dtype, quantization,
-the compile config, each pass's uuid (a hash of its source and settings, passes/identity.py),
+the KV cache dtype (a FULL CUDA graph holds the attention op, whose kernels differ for an fp8
+cache: a graph captured over a bf16 cache must never serve an fp8 one), the compile config, each pass's uuid (a hash of its source and settings, passes/identity.py),
 the module layout the model was built with, and the tensor-parallel rank and world size (each
 rank compiles its own shard's graph, whose shapes and collectives differ; 0 and 1 without
 tensor parallelism). Nothing in it names a place: the
@@ -40,6 +41,7 @@ def key_fields(config: EngineConfig, hf_config: Any, dtype: torch.dtype, pass_uu
     return {
         "env": environment_fingerprint(device), "formats": {"artifact": ARTIFACT_FORMAT, "record": RECORD_FORMAT},
         "model": model_fields(hf_config), "dtype": str(dtype), "quantization": config.model.quantization,
+        "kv_cache_dtype": config.cache.kv_cache_dtype,
         "passes": pass_uuid, "layout": layout, "rank": rank, "world_size": world_size,
         "compile": {"splitting_ops": c.splitting_ops, "compile_sizes": sorted(c.compile_sizes),
                     "custom_ops": c.custom_ops, "enable_fusion": c.enable_fusion},
@@ -51,7 +53,8 @@ def key_summary(fields: dict[str, Any], uuids: dict[str, Optional[str]]) -> dict
     config and layout as short hashes, each pass's uuid (shortened) by name."""
     return {**fields["env"], "model_type": fields["model"].get("model_type"),
             "model_config": stable_hash(fields["model"], 12), "dtype": fields["dtype"].removeprefix("torch."),
-            "quantization": fields["quantization"], "compile": fields["compile"],
+            "quantization": fields["quantization"], "kv_cache_dtype": fields["kv_cache_dtype"],
+            "compile": fields["compile"],
             "layout": stable_hash(fields["layout"], 12), "rank": fields["rank"], "world_size": fields["world_size"],
             "pass_uuids": {name: short_uuid(u) for name, u in uuids.items()}}
 

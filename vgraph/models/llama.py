@@ -234,6 +234,11 @@ class Attention(nn.Module):
         if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
+        # An fp8 KV cache's per-tensor scales (1.0 unless the checkpoint has them). Not read
+        # by forward: the runner hands them to the attention op through the forward context,
+        # as it does the caches. Buffers, so they live on the model's device from the start.
+        self.k_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
+        self.v_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
 
     def forward(self, rope: tuple[Tensor, Tensor], hidden: Tensor, lora_slots: Optional[Tensor] = None) -> Tensor:
         num_tokens = hidden.shape[0]
@@ -344,6 +349,15 @@ _STACKED = {
     "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
 }
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # RoPE tables some old checkpoints saved
+# An fp8 KV cache's scales as checkpoints name them, after "model.layers.N.": vLLM's and
+# llm-compressor's current names, vLLM's attention-module ones, and compressed-tensors'
+# older output scales of the K and V projections.
+_KV_SCALE_NAMES = {
+    "self_attn.k_scale": "k_scale", "self_attn.v_scale": "v_scale",
+    "self_attn.attn.k_scale": "k_scale", "self_attn.attn.v_scale": "v_scale",
+    "self_attn.k_proj.output_scale": "k_scale", "self_attn.v_proj.output_scale": "v_scale",
+}
+_LAYER_PREFIX = "model.layers."
 
 Target = tuple[str, Optional[str]]  # (our parameter name, shard or None for the whole tensor)
 
@@ -401,6 +415,11 @@ class LlamaForCausalLM(nn.Module):
         # CPU float32 projections run vgraph's packed GEMM (PackedLinear in models/linear.py), with the
         # ops switch on or off: it picks how norms and activations are written, not the GEMM.
         self._pack_projections = torch.device(device).type == "cpu" and dtype == torch.float32
+        self.kv_scales_loaded = False  # whether the checkpoint had KV cache scales
+
+    def kv_cache_scales(self) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's (k_scale, v_scale) for an fp8 KV cache: one-element float32 tensors."""
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
@@ -460,6 +479,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[Target] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
+            if self._load_kv_scale(name, tensor):
+                continue
             target = self._map_name(name)
             if target is None:
                 continue
@@ -473,6 +494,21 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected "
                              f"weights {sorted(unexpected)}; missing weights {missing}")
         self._process_after_loading()
+
+    def _load_kv_scale(self, hf_name: str, tensor: Tensor) -> bool:
+        """Copies a KV cache scale (``_KV_SCALE_NAMES``) into its layer; False for other names.
+        Only per-tensor scales are supported: a per-head scale is an error naming it."""
+        if not hf_name.startswith(_LAYER_PREFIX):
+            return False
+        index, _, rest = hf_name[len(_LAYER_PREFIX):].partition(".")
+        if rest not in _KV_SCALE_NAMES or not index.isdigit() or int(index) >= len(self.model.layers):
+            return False
+        if tensor.numel() != 1 or not torch.isfinite(tensor).all() or float(tensor.reshape(())) <= 0:
+            raise ValueError(f"KV cache scale {hf_name} must be one positive finite number (a per-tensor "
+                             f"scale), got shape {tuple(tensor.shape)}")
+        getattr(self.model.layers[int(index)].self_attn, _KV_SCALE_NAMES[rest]).fill_(float(tensor.reshape(())))
+        self.kv_scales_loaded = True
+        return True
 
     def _process_after_loading(self) -> None:
         if self.quant_config is not None and not self.quant_config.serialized:

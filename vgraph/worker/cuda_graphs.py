@@ -172,10 +172,11 @@ class ForwardRunner:
 
     def __init__(self, forward: Forward, kv_caches: Sequence, softmax_scale: float, builder: BatchBuilder,
                  mode: CudaGraphMode, buckets: Buckets, min_forward_rows: int,
-                 weights: Sequence[torch.Tensor] = ()) -> None:
+                 weights: Sequence[torch.Tensor] = (), kv_scales: Optional[Sequence] = None) -> None:
         self.forward_fn = forward
         self.weights = list(weights)  # the model's parameters and buffers: FULL graphs read them in place
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # an fp8 cache's per-layer (k_scale, v_scale), else None
         self.softmax_scale = softmax_scale
         self.builder = builder
         self.mode = mode
@@ -227,7 +228,7 @@ class ForwardRunner:
         pieces = self.piecewise_graphs.forward(phase) if phase is not None else contextlib.nullcontext()
         with pieces as run:
             context = ForwardContext(meta, self.kv_caches, self.softmax_scale, piecewise=run,
-                                     output_rows=output_rows)
+                                     output_rows=output_rows, kv_scales=self.kv_scales)
             with set_forward_context(context):
                 return self.forward_fn(input_ids, positions)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -18,12 +19,32 @@ class KVSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cache's: the model's, or float8_e4m3fn (--kv-cache-dtype fp8)
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        """K and V of every layer: an fp8 cache's blocks are half a 16-bit one's, so the same
+        memory holds twice the tokens."""
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as the startup log names it (float8_e4m3fn, bfloat16, ...)."""
+        return str(self.dtype).removeprefix("torch.")
+
+
+def kv_cache_scales(model: Any, cache: CacheConfig) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The per-layer (k_scale, v_scale) tensors the attention op reads for an fp8 cache, or
+    None for an unquantized one. Scales of 1.0 (a checkpoint without k_scale/v_scale) are
+    logged, as vLLM warns, since values beyond +-448 then saturate."""
+    if not cache.fp8_kv_cache:
+        return None
+    if model.kv_scales_loaded:
+        logger.info("fp8 KV cache: k_scale/v_scale read from the checkpoint")
+    else:
+        logger.warning("fp8 KV cache: the checkpoint has no k_scale/v_scale, so every scale is 1.0 "
+                       "(K/V beyond +-448 saturate; accuracy may suffer)")
+    return model.kv_cache_scales()
 
 
 @dataclass(frozen=True)

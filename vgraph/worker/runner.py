@@ -30,7 +30,8 @@ from .batch import BatchBuilder
 from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
-from .kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, num_blocks_for, usable_max_model_len
+from .kv_sizing import (KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scales, num_blocks_for,
+                        usable_max_model_len)
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
@@ -74,7 +75,9 @@ class ModelRunner:
         if lora is not None:
             from ..lora.slots import LoRASlotManager
             self.lora = LoRASlotManager(m, lora, m.dtype)
-        self.spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, config.cache.block_size, m.dtype)
+        self.spec = KVSpec(m.num_layers, m.num_kv_heads, m.head_dim, config.cache.block_size,
+                           config.cache.kv_torch_dtype(m.dtype))
+        self.kv_scales = kv_cache_scales(m, config.cache)
         self.vocab_size = m.vocab_size
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
@@ -94,7 +97,7 @@ class ModelRunner:
         forward = self._compiled_forward()
         self.graphs = ForwardRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
                                   config.compile.cudagraph_mode, buckets, min_forward_rows,
-                                  weights=[*m.parameters(), *m.buffers()])
+                                  weights=[*m.parameters(), *m.buffers()], kv_scales=self.kv_scales)
         self._warm_up()
         t3 = time.perf_counter()
         # Read after the warm-up: a warm forward that failed there has been replaced.
@@ -132,7 +135,7 @@ class ModelRunner:
         resident = torch.cuda.memory_allocated(self.device)
         caches = allocate_kv_caches(self.spec, scratch_blocks, self.device)
         eager = ForwardRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
-                            Buckets((), ()), 1)
+                            Buckets((), ()), 1, kv_scales=self.kv_scales)
         self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
         # The widest sampling step too: logits and the top-k/top-p sort for every seat.
         self._step(eager, dummy_decode(sched.max_num_seqs, 1, self.spec.block_size, scratch_blocks))
@@ -164,8 +167,8 @@ class ModelRunner:
         useful = self.config.scheduler.max_num_seqs * -(-max_model_len // self.spec.block_size)
         blocks = num_blocks_for(self.spec, self.config.cache, self.device, profile, reserve, useful)
         tokens = blocks * self.spec.block_size
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
-                    "max_model_len %d: %.2fx", blocks, self.spec.block_size, tokens,
+        logger.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
+                    "max_model_len %d: %.2fx", self.spec.dtype_name, blocks, self.spec.block_size, tokens,
                     blocks * self.spec.bytes_per_block / 2**30, max_model_len, tokens / max_model_len)
         return blocks
 
