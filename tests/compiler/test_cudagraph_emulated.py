@@ -293,3 +293,22 @@ def test_logprob_comparison_allows_parting_only_at_a_near_tie():
         assert_logprobs_close([a], [_run_of([5, 7, 9], [{5: -0.7}, {7: -0.7}, {9: -0.1}])], atol=0.05)
     with pytest.raises(AssertionError, match="step 1: tokens 7 vs 8 differ without a near tie"):
         assert_logprobs_close([a], [_run_of([5, 8, 9], [{5: -0.5}, {8: -0.1, 7: -2.0}, {9: -0.1}])], atol=0.05)
+
+
+def test_lora_adapters_run_inside_the_captured_graphs(emulation):
+    """Adapters loaded and swapped after capture run inside the FULL and PIECEWISE graphs (the
+    slot buffers and the per-row slots are graph inputs at fixed addresses; padding rows take
+    no adapter), and mixed batches still equal transformers + PEFT."""
+    from tests.lora.test_lora_engine import TOKENS, _loras, _oracle, _prompts
+    llm, report = _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        assert report.full_graphs and report.piecewise_graphs
+        prompts = _prompts()[:6]
+        assignment = [1, 0, 2, 3, 1, 0]
+        loras = [None if a == 0 else _loras()[a - 1] for a in assignment]
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outs] == [_oracle(a, tuple(p)) for a, p in zip(assignment, prompts)]
+        assert llm.engine.runner.compile_counters.recompiles == 0
+    finally:
+        llm.close()
