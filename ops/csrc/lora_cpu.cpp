@@ -166,26 +166,23 @@ void shrink_group(const float* x, int64_t in, const int64_t* order, int64_t coun
 // shrunk[t][r] = dot(x[t], A[slot(t)][r]) for every row t of a slot (r over slices * rank).
 // The work is (slot in use, pair of A rows), slot-major, shared out in contiguous runs, so each
 // thread streams through its slots' A front to back (the weights come from DRAM in a step).
+// Called by every thread of the op's parallel region (or by one thread alone).
 template <typename T>
 void shrink(const LoraArgs& a, const float* x, const std::vector<int64_t>& order,
-            const std::vector<int64_t>& group_start, const std::vector<int64_t>& used, float* shrunk,
-            bool parallel) {
+            const std::vector<int64_t>& group_start, const std::vector<int64_t>& used, float* shrunk) {
   const int64_t rows = a.slices * a.rank, in = a.in_features, pairs = (rows + 1) / 2;
   const int64_t items = static_cast<int64_t>(used.size()) * pairs;
-#pragma omp parallel num_threads(a.num_threads) if (parallel)
-  {
-    std::vector<float> copy(sizeof(T) == sizeof(float) ? 0 : 2 * in);
+  std::vector<float> copy(sizeof(T) == sizeof(float) ? 0 : 2 * in);
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t s = used[item / pairs], r = 2 * (item % pairs);
-      const int64_t begin = group_start[s + 1], count = group_start[s + 2] - begin;
-      const float* ws[2] = {a_row<T>(a, s, r, copy.data()), nullptr};
-      if (rows - r < 2) {
-        shrink_group<1>(x, in, order.data() + begin, count, ws, shrunk, rows, r);
-      } else {
-        ws[1] = a_row<T>(a, s, r + 1, copy.data() + (copy.empty() ? 0 : in));
-        shrink_group<2>(x, in, order.data() + begin, count, ws, shrunk, rows, r);
-      }
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t s = used[item / pairs], r = 2 * (item % pairs);
+    const int64_t begin = group_start[s + 1], count = group_start[s + 2] - begin;
+    const float* ws[2] = {a_row<T>(a, s, r, copy.data()), nullptr};
+    if (rows - r < 2) {
+      shrink_group<1>(x, in, order.data() + begin, count, ws, shrunk, rows, r);
+    } else {
+      ws[1] = a_row<T>(a, s, r + 1, copy.data() + (copy.empty() ? 0 : in));
+      shrink_group<2>(x, in, order.data() + begin, count, ws, shrunk, rows, r);
     }
   }
 }
@@ -267,17 +264,18 @@ void copy_base_rows(const LoraArgs& a, const std::vector<int64_t>& order, int64_
 }
 
 // Every slice's columns in blocks of kBlock for every slot in use: the work is (slot, block),
-// slot-major like the shrink's, shared out in contiguous runs among the threads.
+// slot-major like the shrink's, shared out in contiguous runs among the threads of the op's
+// parallel region (whose barrier after the shrink makes every row's shrunk values ready).
 template <typename T>
 void expand(const LoraArgs& a, const std::vector<int64_t>& order, const std::vector<int64_t>& group_start,
-            const std::vector<int64_t>& used, const float* shrunk, bool parallel) {
+            const std::vector<int64_t>& used, const float* shrunk) {
   std::vector<int64_t> first_block(a.slices + 1, 0), column(a.slices + 1, 0);
   for (int i = 0; i < a.slices; ++i) {
     first_block[i + 1] = first_block[i] + (a.slice_out[i] + kBlock - 1) / kBlock;
     column[i + 1] = column[i] + a.slice_out[i];
   }
   const int64_t blocks = first_block[a.slices], items = static_cast<int64_t>(used.size()) * blocks;
-#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (parallel)
+#pragma omp for schedule(static)
   for (int64_t item = 0; item < items; ++item) {
     const int64_t block = item % blocks;
     int slice = 0;
@@ -301,8 +299,13 @@ int64_t lora_add(const LoraArgs& a) {
   for (int64_t slot = 0; slot < a.num_slots; ++slot)
     if (group_start[slot + 2] > group_start[slot + 1]) used.push_back(slot);
   copy_base_rows<T>(a, order, group_start[1]);
-  shrink<T>(a, x, order, group_start, used, shrunk.data(), parallel);
-  expand<T>(a, order, group_start, used, shrunk.data(), parallel);
+  // One parallel region for both phases: on a shared machine every region is a chance to wait
+  // for a descheduled thread, so the op opens one, not two.
+#pragma omp parallel num_threads(a.num_threads) if (parallel)
+  {
+    shrink<T>(a, x, order, group_start, used, shrunk.data());
+    expand<T>(a, order, group_start, used, shrunk.data());
+  }
   return 0;
 }
 
