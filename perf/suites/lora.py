@@ -9,7 +9,9 @@ default mode) with the same prompts, greedy, ``ignore_eos``; their decode steps 
 wall time: schedule, forward, sampling, outputs) are timed in turns, the first engine of each
 turn alternating, so both see the same machine. The LoRA engine has ``enable_lora=True,
 max_loras=4, max_lora_rank=16``; its 32 sequences use 4 random PEFT adapters (8 each), made
-with ``peft`` on the checkpoint (every projection adapted, random non-zero A and B).
+with ``peft`` on the checkpoint (every projection adapted, random non-zero A and B). A third
+engine, the same as the LoRA one, runs the op's torch form (``VGRAPH_CPU_LORA=torch`` around
+its steps) rather than the C++ kernel, so one run shows what the kernel buys.
 
 Adapter load: from a PEFT folder into a free slot of the LoRA engine (read, checked, scaled,
 copied into every projection: the slot manager's ``prepare``), and from the host cache
@@ -17,12 +19,13 @@ copied into every projection: the slot manager's ``prepare``), and from the host
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -31,6 +34,9 @@ from .compile import git_state
 BATCH, ADAPTERS, RANK = 32, 4, 16
 PROMPT_LEN, MAX_MODEL_LEN = 32, 256
 TARGET_RATIO, TARGET_LOAD_MS = 1.3, 100.0
+# A third engine, LoRA on, runs the op's torch form (ops/lora.py lora_add_grouped) instead of
+# the C++ kernel: what the kernel buys, in the same run.
+VARIANT_ENV = {"lora_torch_form": {"VGRAPH_CPU_LORA": "torch"}}
 
 
 def make_adapter(base_path: str, out_dir: Path, seed: int) -> str:
@@ -73,15 +79,32 @@ def start_decode(llm: Any, tag: str, loras: list, steps: int) -> None:
         llm.step()
 
 
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``overrides`` for the duration (the op reads its switch per call)."""
+    saved = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def interleaved_steps(engines: dict[str, Any], steps: int) -> dict[str, list[float]]:
-    """Milliseconds of each engine's decode steps, timed in turns (the first alternating)."""
+    """Milliseconds of each engine's decode steps, timed in turns (the first rotating), each
+    under its environment (VARIANT_ENV)."""
     names = list(engines)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for turn in range(steps):
-        for name in names[turn % 2:] + names[:turn % 2]:
-            start = time.perf_counter()
-            engines[name].step()
-            samples[name].append((time.perf_counter() - start) * 1e3)
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            with _environment(VARIANT_ENV.get(name, {})):
+                start = time.perf_counter()
+                engines[name].step()
+                samples[name].append((time.perf_counter() - start) * 1e3)
     return samples
 
 
@@ -125,16 +148,18 @@ def run(device: str, quick: bool = False) -> dict:
         path = build_perf_checkpoint(os.path.join(tmp, "perf"), seed=0)
         requests = [LoRARequest(f"a{i}", i + 1, make_adapter(path, Path(tmp) / f"a{i}", seed=i))
                     for i in range(ADAPTERS)]
-        engines = {"base": build_engine(path, lora=False), "lora": build_engine(path, lora=True)}
+        engines = {"base": build_engine(path, lora=False), "lora": build_engine(path, lora=True),
+                   "lora_torch_form": build_engine(path, lora=True)}
         load = measure_load(engines["lora"], requests, rounds)
-        start_decode(engines["base"], "base", [None], steps)
-        start_decode(engines["lora"], "lora", requests, steps)
+        for name, llm in engines.items():
+            start_decode(llm, name, requests if name.startswith("lora") else [None], steps)
         samples = interleaved_steps(engines, steps)
         for llm in engines.values():
             finish(llm)
             llm.close()
     step = {name: _summary(values) for name, values in samples.items()}
     ratio = step["lora"]["median_ms"] / step["base"]["median_ms"]
+    torch_form_ratio = step["lora_torch_form"]["median_ms"] / step["base"]["median_ms"]
     return {"suite": "lora",
             "config": {"device": device, "model": "perf-26m (build_perf_checkpoint, fp32, compiled)",
                        "batch": BATCH, "adapters": ADAPTERS, "rank": RANK, "prompt_len": PROMPT_LEN,
@@ -142,6 +167,7 @@ def run(device: str, quick: bool = False) -> dict:
                        "threads": torch.get_num_threads(), "load_average_before": load_before,
                        "load_average_after": os.getloadavg()},
             "decode_step": step, "ratio": ratio, "ratio_target": TARGET_RATIO, "ratio_met": ratio <= TARGET_RATIO,
+            "ratio_torch_form": torch_form_ratio,
             "adapter_load": load, "load_target_ms": TARGET_LOAD_MS,
             "load_met": load["from_folder_ms"] < TARGET_LOAD_MS}
 
@@ -151,9 +177,10 @@ def summarize(result: dict) -> str:
     lines = [f"decode step, batch {c['batch']} ({c['adapters']} rank-{c['rank']} adapters), "
              f"{c['threads']} threads:"]
     for name, s in step.items():
-        lines.append(f"  {name:>5}: {s['median_ms']:7.2f} ms/step (p10 {s['p10_ms']:.2f}, p90 {s['p90_ms']:.2f})")
+        lines.append(f"  {name:>15}: {s['median_ms']:7.2f} ms/step (p10 {s['p10_ms']:.2f}, p90 {s['p90_ms']:.2f})")
     lines.append(f"  ratio {result['ratio']:.3f} (target <= {result['ratio_target']}: "
-                 f"{'met' if result['ratio_met'] else 'NOT met'})")
+                 f"{'met' if result['ratio_met'] else 'NOT met'}); the op's torch form: "
+                 f"{result['ratio_torch_form']:.3f}")
     lines.append(f"adapter into a free slot: {load['from_folder_ms']:.2f} ms from its folder, "
                  f"{load['from_host_cache_ms']:.2f} ms from the host cache (target < {result['load_target_ms']:.0f} ms)")
     lines.append(f"(load average before {tuple(round(x, 2) for x in c['load_average_before'])}, "
@@ -163,4 +190,5 @@ def summarize(result: dict) -> str:
 
 def headline_figures(result: dict) -> dict[str, float]:
     return {"LoRA/base decode step ratio, batch 32 over 4 adapters": result["ratio"],
+            "the same, the op's torch form": result["ratio_torch_form"],
             "adapter load into a free slot (ms)": result["adapter_load"]["from_folder_ms"]}
