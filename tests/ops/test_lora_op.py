@@ -137,3 +137,13 @@ def test_cuda_op_matches_reference(dtype):
     out = torch.ops.vgraph.lora_add(*cuda)
     tol = 1e-4 if dtype == torch.float32 else 0.5
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol if dtype != torch.float32 else 1e-4)
+
+
+def test_float16_runs_the_grouped_form():
+    """The C++ kernel takes float32 and bfloat16; float16 operands fall back to the torch form."""
+    base, x, lora_a, lora_b, slots = _inputs(*CASES[0])
+    args = (base.half(), x.half(), lora_a.half(), [b.half() for b in lora_b], slots)
+    assert not lora._native_applies(*args[:4])
+    out = torch.ops.vgraph.lora_add(*args)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), lora_add_reference(*args).float(), atol=0.1, rtol=2e-2)
