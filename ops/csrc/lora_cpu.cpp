@@ -4,16 +4,18 @@
 // sync, an index_select, then per adapter in use one shrink and one expand GEMM per slice
 // and a final index_add: some twenty small ops per projection, 4 projections per layer.
 // At a decode step of 32 rows the FLOPs are ~5% of the base model's, so the dispatch is what
-// a step pays (1.8x the base step through the compiled engine, perf/README.md `lora`). Here
-// one call does the whole op: rows are counted into slot order (no sort), then
-//   shrink: for each rank row r of A (parallel over r), every row of the slot's group takes
-//           dot(x[t], A[slot][r]) while that A row is in L1;
-//   expand: for each block of kBlock output columns (parallel over blocks), the slot's B
-//           rows for the block are transposed once into [R][kBlock] floats, so each row of
-//           the group costs R broadcast FMAs of kBlock-wide vectors on top of its base row.
-// Both loops are plain float loops written for the compiler's vectorizer (-O3 -march=native).
-// Accumulation is float32 in order of k; operands are float32 or bfloat16 (one dtype for
-// all of x, base, A, B, out), so results agree with the reference to rounding.
+// a step paid (1.8x the base step through the compiled engine, perf/README.md `lora`). Here
+// one call does the whole op: rows are counted into slot order (no sort), then, in one
+// OpenMP region, work items slot-major so each thread streams its adapters' weights once:
+//   shrink: (slot, pair of A rows) items; the slot's rows take their dot products with both
+//           A rows in tiles of 4 rows x 2 A rows (8 independent 16-lane accumulators);
+//   expand: (slot, block of kBlock output columns) items; the block's B rows are transposed
+//           in registers into [R][kBlock] floats, so each row of the slot costs R broadcast
+//           FMAs of kBlock-wide vectors on top of its base row.
+// Each item prefetches the weights of the next one (they come from DRAM during a step).
+// Accumulation is float32 (lanes summed at the end of a dot product); operands are float32
+// or bfloat16 (one dtype for all of x, base, A, B, out), so results agree with the
+// reference to rounding.
 // Slot -1 rows copy base. A slot outside [-1, slots) is reported and nothing is written.
 
 #include <cstdint>
