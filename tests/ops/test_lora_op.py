@@ -1,14 +1,21 @@
-"""``vgraph::lora_add``: opcheck, the reference against a per-row loop, the CPU kernels (dense
-and masked; grouped by slot) and the Triton shrink/expand kernels against the reference."""
+"""``vgraph::lora_add``: opcheck, the reference against a per-row loop, the CPU kernels (the C++
+kernel, csrc/lora_cpu.cpp; the torch form grouped by slot) and the Triton shrink/expand kernels
+against the reference."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vgraph.ops.lora import lora_add_dense, lora_add_grouped, lora_add_reference
+from vgraph.ops import lora
+from vgraph.ops.lora import lora_add_grouped, lora_add_native, lora_add_reference
 
-# (tokens, in, slice outputs, rank, slots): a fused q|k|v-like layer, a single slice, odd sizes.
-CASES = [(9, 40, (24, 8, 8), 4, 3), (5, 64, (64,), 16, 4), (1, 33, (17, 17), 3, 2), (0, 16, (8,), 2, 2)]
+requires_native = pytest.mark.skipif(lora._NATIVE.load() is None, reason="the C++ lora kernel cannot be built here")
+
+# (tokens, in, slice outputs, rank, slots): a fused q|k|v-like layer, a single slice, odd sizes,
+# no rows; then the C++ kernel's fast paths (rank a multiple of 16, whole 64-column blocks,
+# rows in tiles of 4) beside their edges (a narrower last block, an odd number of A rows).
+CASES = [(9, 40, (24, 8, 8), 4, 3), (5, 64, (64,), 16, 4), (1, 33, (17, 17), 3, 2), (0, 16, (8,), 2, 2),
+         (37, 96, (128, 64, 72), 16, 4), (11, 48, (200,), 32, 2), (6, 20, (64, 64), 5, 3)]
 
 
 def _inputs(tokens, in_features, outs, rank, slots, seed=0):
@@ -42,12 +49,51 @@ def test_opcheck(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_cpu_kernel_matches_reference(case):
+def test_cpu_kernels_match_reference(case):
     args = _inputs(*case)
     expected = lora_add_reference(*args)
     torch.testing.assert_close(lora_add_grouped(*args), expected, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(lora_add_dense(*args), expected, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lora_add_native(*args), expected, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(torch.ops.vgraph.lora_add(*args), expected, atol=1e-4, rtol=1e-5)
+
+
+@requires_native
+@pytest.mark.parametrize("case", CASES[:5])
+def test_native_kernel_in_bfloat16(case):
+    """bfloat16 operands, float32 accumulation: within bfloat16 rounding of the reference."""
+    base, x, lora_a, lora_b, slots = _inputs(*case)
+    args = (base.bfloat16(), x.bfloat16(), lora_a.bfloat16(), [b.bfloat16() for b in lora_b], slots.long())
+    out = lora_add_native(*args)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), lora_add_reference(*args).float(), atol=0.1, rtol=2e-2)
+
+
+@requires_native
+def test_native_kernel_takes_strided_rows():
+    """x and base as column slices of wider tensors (a fused projection's output, say)."""
+    base, x, lora_a, lora_b, slots = _inputs(12, 64, (64, 32), 16, 3)
+    wide_x, wide_base = torch.randn(12, 100), torch.randn(12, 130)
+    wide_x[:, 10:74], wide_base[:, 20:116] = x, base
+    out = lora_add_native(wide_base[:, 20:116], wide_x[:, 10:74], lora_a, lora_b, slots)
+    torch.testing.assert_close(out, lora_add_reference(base, x, lora_a, lora_b, slots), atol=1e-4, rtol=1e-5)
+
+
+@requires_native
+def test_native_kernel_names_a_slot_out_of_range():
+    base, x, lora_a, lora_b, slots = _inputs(5, 32, (16,), 4, 2)
+    slots[3] = 2
+    with pytest.raises(ValueError, match="token 3 has LoRA slot 2"):
+        lora_add_native(base, x, lora_a, lora_b, slots)
+
+
+def test_torch_switch_runs_the_grouped_form(monkeypatch):
+    """VGRAPH_CPU_LORA=torch sends the op to lora_add_grouped (no C++ call at all)."""
+    calls = []
+    monkeypatch.setenv(lora.ENV_SWITCH, "torch")
+    monkeypatch.setattr(lora, "lora_add_grouped", lambda *a: calls.append(1) or lora_add_reference(*a))
+    args = _inputs(*CASES[0])
+    torch.testing.assert_close(torch.ops.vgraph.lora_add(*args), lora_add_reference(*args))
+    assert calls == [1]
 
 
 def test_rows_without_adapter_are_the_base_exactly():
@@ -91,3 +137,13 @@ def test_cuda_op_matches_reference(dtype):
     out = torch.ops.vgraph.lora_add(*cuda)
     tol = 1e-4 if dtype == torch.float32 else 0.5
     torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol if dtype != torch.float32 else 1e-4)
+
+
+def test_float16_runs_the_grouped_form():
+    """The C++ kernel takes float32 and bfloat16; float16 operands fall back to the torch form."""
+    base, x, lora_a, lora_b, slots = _inputs(*CASES[0])
+    args = (base.half(), x.half(), lora_a.half(), [b.half() for b in lora_b], slots)
+    assert not lora._native_applies(*args[:4])
+    out = torch.ops.vgraph.lora_add(*args)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), lora_add_reference(*args).float(), atol=0.1, rtol=2e-2)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from vgraph.ops import cpu_attention_native, file_digest, linear, native_build
+from vgraph.ops import cpu_attention_native, file_digest, linear, lora, native_build
 
 requires_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX") or "c++") is None,
@@ -48,12 +48,15 @@ def _works(name: str, lib: ctypes.CDLL) -> None:
         function.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + \
             [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_int64] * 6
         assert function(*args) == 1
+    elif name == "lora_cpu":
+        assert lib.vgraph_lora_add_args_size() == ctypes.sizeof(lora._Args)
+        assert lib.vgraph_lora_add_max_rank() == lora.MAX_RANK
     else:
         raise AssertionError(f"no check for the kernel library {name}: add one to _works")
 
 
 def test_every_library_has_a_check():
-    assert LIBRARIES == ["kv_cache_cpu", "linear_cpu", "paged_attention_cpu", "prefill_attention_cpu"]
+    assert LIBRARIES == ["kv_cache_cpu", "linear_cpu", "lora_cpu", "paged_attention_cpu", "prefill_attention_cpu"]
 
 
 @pytest.fixture(scope="module")

@@ -241,9 +241,10 @@ class ModelRunner:
         (a copy into fixed buffers: the graphs stay valid)."""
         assert self.lora is not None
         slots = self.lora.prepare([c.request.lora_request for c in step.chunks])
-        rows = torch.tensor(slots, dtype=torch.int32).repeat_interleave(
-            torch.tensor([c.num_new_tokens for c in step.chunks]))
-        self.model.set_lora_token_slots(rows.to(self.device))
+        # A list, then one tensor: repeat_interleave with a tensor of counts is five small ops
+        # (about 0.1 ms of a 12 ms CPU decode step of 32 rows).
+        rows = [slot for slot, chunk in zip(slots, step.chunks) for _ in range(chunk.num_new_tokens)]
+        self.model.set_lora_token_slots(torch.tensor(rows, dtype=torch.int32, device=self.device))
 
     def _step(self, graphs: ForwardRunner, step: RunnerStep,
               masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
