@@ -48,11 +48,11 @@ def test_tail_runs_on_the_sampled_rows_and_matches_the_whole_batch(cold, monkeyp
     engine, tail = llm.engine, _tail(llm)
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, PARAMS)
-    sched = engine.scheduler.schedule()
+    step = engine.runner.requests.apply(engine.scheduler.schedule().plan)  # as the runner's execute does
     graphs = engine.runner.graphs
     try:
         with torch.inference_mode():
-            batch, decision = graphs.build(sched)
+            batch, decision = graphs.build(step)
             assert batch.output_rows is not None and batch.output_rows.tolist() == batch.sample_indices.tolist()
             assert batch.num_scheduled == 41 and batch.output_rows.tolist() == [4, 39, 40]
             calls = []
@@ -84,7 +84,7 @@ def test_prompt_logprob_requests_run_every_row(cold):
     engine.add_request("lp", {"prompt_token_ids": PROMPTS[1]},
                        SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1))
     try:
-        batch, _ = engine.runner.graphs.build(engine.scheduler.schedule())
+        batch, _ = engine.runner.graphs.build(engine.runner.requests.apply(engine.scheduler.schedule().plan))
         assert batch.output_rows is None
     finally:
         engine.abort_request(["lp"])

@@ -30,7 +30,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from tests.ops.launches import Launch, as_jit_function, recording
-from vgraph.ops.kernels import activation, attention, fp8, kv_cache, norm
+from vgraph.ops.kernels import activation, attention, fp8, kv_cache, lora, norm
 
 ARCH = 90
 TARGET = GPUTarget("cuda", ARCH, 32)
@@ -111,6 +111,22 @@ def _row_cases(width: int) -> list[tuple[str, Any, list[str], Callable[[], None]
     ]
 
 
+def _lora_cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
+    """LoRA shrink and expand at the 8B shape's q|k|v slices (4096 in; 4096, 1024, 1024 out),
+    4 slots, ranks 16 and 64, bf16."""
+    cases = []
+    for rank in (16, 64):
+        x, slots = torch.empty(4, 4096, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int32)
+        a = torch.empty(4, 3 * rank, 4096, dtype=torch.bfloat16)
+        b = [torch.empty(4, n, rank, dtype=torch.bfloat16) for n in (4096, 1024, 1024)]
+        base, shrunk = torch.empty(4, 6144, dtype=torch.bfloat16), torch.empty(4, 3 * rank, dtype=torch.float32)
+        cases += [(f"lora shrink r{rank}", lora, ["_shrink_kernel"],
+                   lambda x=x, a=a, slots=slots: lora.lora_shrink_triton(x, a, slots)),
+                  (f"lora expand r{rank}", lora, ["_expand_kernel"],
+                   lambda base=base, shrunk=shrunk, b=b, slots=slots: lora.lora_expand_triton(base, shrunk, b, slots))]
+    return cases
+
+
 def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
     """(label, module, kernel names, launcher call): the shapes the host code chooses for
     decode and prefill attention, split-KV, and row kernels below and above ROW_CHUNK."""
@@ -143,6 +159,7 @@ def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
     out.append(("reshape_and_cache", kv_cache, ["_reshape_and_cache_kernel"],
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, cache, cache,
                                                           torch.zeros(2, dtype=torch.long))))
+    out += _lora_cases()
     fp8_cache = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
     out.append(("reshape_and_cache into fp8", kv_cache, ["_reshape_and_cache_kernel"],
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, fp8_cache, fp8_cache, torch.zeros(2, dtype=torch.long),
