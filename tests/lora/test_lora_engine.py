@@ -114,6 +114,19 @@ def test_bad_adapters_are_the_requests_error(llm, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 2, "the engine serves on"
 
 
+def test_an_adapter_removed_while_in_use_serves_its_requests_to_the_end(llm):
+    lora, prompt = _loras()[0], _prompts()[0]
+    llm.add_request("in-use", {"prompt_token_ids": prompt},
+                    SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True), lora_request=lora)
+    outputs = []
+    outputs += llm.step().outputs
+    assert llm.engine.remove_lora(lora.lora_int_id) is False, "in use: kept"
+    while llm.has_unfinished_requests():
+        outputs += llm.step().outputs
+    assert outputs[-1].outputs[0].token_ids == _oracle(1, tuple(prompt))
+    assert llm.engine.remove_lora(lora.lora_int_id) is True
+
+
 def test_lora_requests_need_lora_enabled():
     engine = LLM(tiny_checkpoint(), dtype="float32", enforce_eager=True)
     try:

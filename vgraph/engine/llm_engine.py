@@ -149,8 +149,11 @@ class LLMEngine:
             raise InputError(f"LoRA adapter {lora_request.lora_name!r}: {exc}", "model") from exc
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forgets an adapter (its slot and host copy); requests still running with it finish
-        with it, reloading it from its folder if needed. False if it was not loaded."""
+        """Forgets an adapter (its slot and host copy) unless an unfinished request still runs
+        with it: that request keeps its copy, so no step ever rereads a folder that may be gone
+        (the copy leaves the host cache by LRU like any other). False if nothing was removed."""
+        if any(r.lora_id == lora_int_id for r in self.scheduler.requests.values()):
+            return False
         return self.runner.remove_lora(lora_int_id)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
