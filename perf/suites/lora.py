@@ -39,25 +39,6 @@ TARGET_RATIO, TARGET_LOAD_MS = 1.3, 100.0
 VARIANT_ENV = {"lora_torch_form": {"VGRAPH_CPU_LORA": "torch"}}
 
 
-def make_adapter(base_path: str, out_dir: Path, seed: int) -> str:
-    """A rank-RANK PEFT LoRA folder on every projection of ``base_path``, with A and B drawn
-    from a seeded generator (PEFT's zero B would add nothing, and cost nothing to skip)."""
-    import peft
-    import transformers
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, lora_dropout=0.0, bias="none",
-                             task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                                                    "gate_proj", "up_proj", "down_proj"])
-    model = peft.get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-    model.save_pretrained(str(out_dir))
-    return str(out_dir)
-
-
 def build_engine(path: str, lora: bool) -> Any:
     """The perf checkpoint's engine, compiled, sized for one decode batch of BATCH."""
     from vgraph import LLM
@@ -142,11 +123,13 @@ def run(device: str, quick: bool = False) -> dict:
         raise SystemExit("the lora suite measures the CPU path (--device cpu)")
     from vgraph import LoRARequest
     from vgraph.testing.checkpoints import build_perf_checkpoint
+    from vgraph.testing.lora_adapters import make_adapter
     steps, rounds = (12, 3) if quick else (64, 10)
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="vgraph-perf-lora-") as tmp:
         path = build_perf_checkpoint(os.path.join(tmp, "perf"), seed=0)
-        requests = [LoRARequest(f"a{i}", i + 1, make_adapter(path, Path(tmp) / f"a{i}", seed=i))
+        requests = [LoRARequest(f"a{i}", i + 1, make_adapter(path, Path(tmp) / f"a{i}", seed=i, rank=RANK,
+                                                             alpha=2 * RANK, std=0.02))
                     for i in range(ADAPTERS)]
         engines = {"base": build_engine(path, lora=False), "lora": build_engine(path, lora=True),
                    "lora_torch_form": build_engine(path, lora=True)}
