@@ -34,21 +34,55 @@ def _describe(path: Path) -> dict:
 
 
 def write_record(path: Path) -> None:
-    """Records ``path``'s length and sha256 beside it, atomically: a temporary file in the same
-    folder, fsynced, renamed over the record. Call it once ``path`` itself is in place (and
-    durable), so that a record never describes bytes that are not there."""
-    payload = json.dumps(_describe(path), sort_keys=True).encode()
-    target = record_path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{target.name}-", suffix=".tmp")
+    """Records ``path``'s length and sha256 beside it, atomically (``write_atomic``). Call it
+    once ``path`` itself is in place (and durable), so that a record never describes bytes
+    that are not there."""
+    write_atomic(record_path(path), json.dumps(_describe(path), sort_keys=True).encode())
+
+
+# Half-written files of a running (or killed) writer: never read, swept by the compile cache.
+TEMP_PREFIX = ".tmp-"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """A temporary file with a unique name in the same folder, written and fsynced, then
+    renamed over ``path`` (and the folder fsynced): readers see the old file or the new one,
+    never a part, whatever other writers do at the same time, and after a power cut the name
+    does not point at data that never reached the disk."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=path.suffix)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(payload)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        os.replace(tmp, path)
+    except BaseException:
+        remove_quietly(tmp)
+        raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Makes a rename durable; best effort (some filesystems refuse to fsync a directory)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.close(fd)
+
+
+def remove_quietly(path: Optional[str]) -> None:
+    """Removes a temporary file if it is still there; cleanup must not mask the real error."""
+    if path:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def fsync_file(path: Path) -> None:

@@ -20,17 +20,19 @@ import os
 import re
 import shutil
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+# The one atomic writer, shared with the kernel files' checksum records (the ops package
+# cannot import the runtime, so it lives there); re-exported for the cache's modules.
+from vgraph.ops.file_digest import TEMP_PREFIX, remove_quietly, write_atomic  # noqa: F401
+
 logger = logging.getLogger("vgraph")
 
 META_FILE = "meta.json"
 WARM_INDEX_FOLDER = "warm"  # the warm start's fast-path index (compiler/warm_start.py)
-TEMP_PREFIX = ".tmp-"  # half-written files of a running (or killed) writer; never read
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
@@ -76,38 +78,6 @@ def read_json_record(path: Path, repair: str) -> Optional[dict]:
         report_damaged(path, f"a JSON {type(value).__name__}, not an object", repair)
         return None
     return value
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """A temporary file with a unique name in the same folder, written and fsynced, then
-    renamed over ``path`` (and the folder fsynced): readers see the old file or the new one,
-    never a part, whatever other writers do at the same time, and after a power cut the name
-    does not point at data that never reached the disk."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TEMP_PREFIX, suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        remove_quietly(tmp)
-        raise
-    _fsync_folder(path.parent)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Makes a rename durable; best effort (some filesystems refuse to fsync a directory)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 _FRAME_HEADER_LENGTH = struct.Struct(">I")
@@ -436,10 +406,3 @@ def clear_all(root: Path) -> int:
     return count
 
 
-def remove_quietly(path: Optional[str]) -> None:
-    """Removes a temporary file if it is still there; cleanup must not mask the real error."""
-    if path:
-        try:
-            os.remove(path)
-        except OSError:
-            pass

@@ -195,7 +195,8 @@ class Scheduler:
         """Admits waiting requests FIFO while budget, seats and blocks last (past those whose
         adapter does not fit the slots, which keep their place)."""
         passed: list[Request] = []
-        adapters = {r.lora_id for r in self.running if r.lora_id is not None}
+        # The running requests' adapters, when LoRA bounds them (no walk over running otherwise).
+        adapters = set() if self.max_loras is None else {r.lora_id for r in self.running if r.lora_id is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if not self._adapter_fits(request, adapters):
