@@ -377,8 +377,13 @@ class ParallelConfig:
                              f"{', '.join(DISTRIBUTED_BACKENDS)}")
 
     @property
+    def world_size(self) -> int:
+        """Engine ranks in all (each its own process)."""
+        return self.tensor_parallel_size
+
+    @property
     def is_parallel(self) -> bool:
-        return self.tensor_parallel_size > 1
+        return self.world_size > 1
 
     def resolved(self, device_type: str) -> "ParallelConfig":
         """The backend decided for the device: NCCL needs CUDA tensors and gloo's CUDA support is

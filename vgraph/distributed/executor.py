@@ -87,7 +87,7 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
             raise ValueError("MultiprocExecutor takes a resolved EngineConfig (EngineConfig.resolved)")
-        self.world_size = config.parallel.tensor_parallel_size
+        self.world_size = config.parallel.world_size
         self._failure: Optional[WorkerFailed] = None
         self._closed = False
         self._workers = self._spawn(config)

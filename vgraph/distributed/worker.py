@@ -81,38 +81,57 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
 
 
 def _serve(args: WorkerArgs, conn: Connection) -> None:
-    from ..worker.runner import ModelRunner
-
-    # Only rank 0 tells the startup story; the others speak up for warnings.
-    logging.getLogger("vgraph").setLevel(args.log_level if args.rank == 0 else max(args.log_level, logging.WARNING))
-    torch.set_num_threads(args.threads)
-    device = worker_device(args.config, args.rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    config = replace(args.config, device=str(device))
-    init_tensor_parallel(args.rank, args.world_size, args.init_method, config.parallel.distributed_backend,
-                         args.collective_timeout_s, device)
-    torch.manual_seed(config.model.seed)
-    runner = ModelRunner(config)
-    conn.send(("ok", WorkerInfo(args.rank, os.getpid(), runner.num_blocks, runner.max_model_len,
-                                runner.vocab_size, runner.startup, runner.compile_counters,
-                                _cache_folder(runner))))
+    rank = RankWorker(args)
+    conn.send(("ok", rank.info()))
     while True:
         command, payload = conn.recv()
+        conn.send(("ok", rank.handle(command, payload)))
+        if command == SHUTDOWN:
+            return
+
+
+class RankWorker:
+    """One rank's body, whatever carries its commands: joins the group, builds the rank's
+    ModelRunner, and answers each command. The ``mp`` executor's process loops over a pipe
+    (``worker_main``); any other executor (an actor on another node) calls the same two methods."""
+
+    def __init__(self, args: WorkerArgs) -> None:
+        from ..worker.runner import ModelRunner
+
+        # Only rank 0 tells the startup story; the others speak up for warnings.
+        logging.getLogger("vgraph").setLevel(args.log_level if args.rank == 0
+                                             else max(args.log_level, logging.WARNING))
+        torch.set_num_threads(args.threads)
+        device = worker_device(args.config, args.rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        config = replace(args.config, device=str(device))
+        init_tensor_parallel(args.rank, args.world_size, args.init_method, config.parallel.distributed_backend,
+                             args.collective_timeout_s, device)
+        torch.manual_seed(config.model.seed)
+        self.rank = args.rank
+        self.runner = ModelRunner(config)
+
+    def info(self) -> WorkerInfo:
+        runner = self.runner
+        return WorkerInfo(self.rank, os.getpid(), runner.num_blocks, runner.max_model_len, runner.vocab_size,
+                          runner.startup, runner.compile_counters, _cache_folder(runner))
+
+    def handle(self, command: str, payload: Any) -> Any:
+        """The reply to one command (raises on an unknown one)."""
+        runner = self.runner
         if command == STEP:
             result = runner.execute(*payload)  # (the scheduler's plan, the grammar masks)
-            conn.send(("ok", result if args.rank == 0 else None))
-        elif command == COUNTERS:
-            conn.send(("ok", runner.compile_counters))
-        elif command == ADD_LORA:
-            conn.send(("ok", _add_lora(runner, payload)))
-        elif command == REMOVE_LORA:
-            conn.send(("ok", runner.remove_lora(payload)))
-        elif command == SHUTDOWN:
-            conn.send(("ok", None))
-            return
-        else:
-            raise RuntimeError(f"unknown command {command!r} from the engine")
+            return result if self.rank == 0 else None
+        if command == COUNTERS:
+            return runner.compile_counters
+        if command == ADD_LORA:
+            return _add_lora(runner, payload)
+        if command == REMOVE_LORA:
+            return runner.remove_lora(payload)
+        if command == SHUTDOWN:
+            return None
+        raise RuntimeError(f"unknown command {command!r} from the engine")
 
 
 def _add_lora(runner: Any, lora: Any) -> Optional[str]:
