@@ -382,6 +382,11 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
     @property
+    def output_rank(self) -> int:
+        """The rank whose reply is a step's result (the one that samples for the engine)."""
+        return 0
+
+    @property
     def is_parallel(self) -> bool:
         return self.world_size > 1
 

@@ -88,6 +88,7 @@ class MultiprocExecutor:
         if not config.is_resolved:
             raise ValueError("MultiprocExecutor takes a resolved EngineConfig (EngineConfig.resolved)")
         self.world_size = config.parallel.world_size
+        self._output_rank = config.parallel.output_rank
         self._failure: Optional[WorkerFailed] = None
         self._closed = False
         self._workers = self._spawn(config)
@@ -138,7 +139,7 @@ class MultiprocExecutor:
         if not plan.chunks:
             return ModelRunnerOutput({}, None)
         self._check_running()
-        return self._broadcast((STEP, (plan, grammar_masks)))[0]
+        return self._broadcast((STEP, (plan, grammar_masks)))[self._output_rank]
 
     def add_lora(self, lora: Any) -> None:
         """Every rank reads and checks the adapter (each keeps its shard); a bad adapter raises

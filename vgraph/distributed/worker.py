@@ -110,6 +110,7 @@ class RankWorker:
                              args.collective_timeout_s, device)
         torch.manual_seed(config.model.seed)
         self.rank = args.rank
+        self.is_output_rank = args.rank == config.parallel.output_rank
         self.runner = ModelRunner(config)
 
     def info(self) -> WorkerInfo:
@@ -122,7 +123,7 @@ class RankWorker:
         runner = self.runner
         if command == STEP:
             result = runner.execute(*payload)  # (the scheduler's plan, the grammar masks)
-            return result if self.rank == 0 else None
+            return result if self.is_output_rank else None
         if command == COUNTERS:
             return runner.compile_counters
         if command == ADD_LORA:
