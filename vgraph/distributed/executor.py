@@ -135,11 +135,22 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ the engine's calls
 
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
-        """Broadcasts the step; returns rank 0's result."""
+        """Broadcasts the step; returns the output rank's result."""
         if not plan.chunks:
             return ModelRunnerOutput({}, None)
+        self.submit(plan, grammar_masks)
+        return self.collect()
+
+    def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
+        """Sends a step to every rank and returns at once; the ranks run their steps in the
+        order they were sent (each pipe is read in order), ``collect`` reads the results so."""
         self._check_running()
-        return self._broadcast((STEP, (plan, grammar_masks)))[self._output_rank]
+        self._guarded(self._send, (STEP, (plan, grammar_masks)))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's result (the output rank's reply)."""
+        self._check_running()
+        return self._guarded(self._replies)[self._output_rank]
 
     def add_lora(self, lora: Any) -> None:
         """Every rank reads and checks the adapter (each keeps its shard); a bad adapter raises
@@ -187,11 +198,18 @@ class MultiprocExecutor:
     def _broadcast(self, command: Optional[tuple[str, Any]]) -> list[Any]:
         """Sends ``command`` to every rank (None: nothing, wait for the startup report) and
         returns every rank's reply, by rank. Any rank dying or failing first stops them all."""
+        if command is not None:
+            self._guarded(self._send, command)
+        return self._guarded(self._replies)
+
+    def _send(self, command: tuple[str, Any]) -> None:
+        for w in self._workers:
+            w.conn.send(command)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a rank that died or failed meanwhile stops them all and is named."""
         try:
-            if command is not None:
-                for w in self._workers:
-                    w.conn.send(command)
-            return self._replies()
+            return fn(*args)
         except WorkerFailed as failure:
             self._fail(failure)
             raise
