@@ -15,7 +15,8 @@ Targets (issue 33): vgraph's req/s >= 1.1x vLLM's; vgraph's ITL p99 <= 2x its TP
 
 ``VGRAPH_SERVING_VLLM_VARIANTS="name=--flag value --flag2;name2=..."`` adds vgraph servers with
 extra ``vgraph serve`` flags (``ENV=value`` items set their environment) to compare a fix side
-by side; ``VGRAPH_SERVING_VLLM_SKIP_VLLM=1`` measures the vgraph servers only.
+by side; ``VGRAPH_SERVING_VLLM_SKIP_VLLM=1`` measures the vgraph servers only;
+``VGRAPH_SERVING_VLLM_ROUNDS`` overrides the number of rounds.
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def run(device: str, quick: bool = False) -> dict:
     load_before, git = os.getloadavg(), git_state()
     checkpoint = _checkpoint()
     bin_dir = vllm_cpu.ensure()
-    rounds, num_prompts = (1, 32) if quick else (ROUNDS, NUM_PROMPTS)
+    rounds, num_prompts = (1, 32) if quick else (int(os.environ.get("VGRAPH_SERVING_VLLM_ROUNDS", ROUNDS)), NUM_PROMPTS)
     all_servers = servers(bin_dir, checkpoint)
     try:
         measure(all_servers, bin_dir, checkpoint, rounds, num_prompts)
