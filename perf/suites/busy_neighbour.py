@@ -38,6 +38,7 @@ OMP_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "VGRAPH_OMP_
 POLICIES: dict[str, dict[str, str]] = {
     "vgraph-default": {},
     "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
+    "spincount-30000": {"GOMP_SPINCOUNT": "30000"},
     "spincount-10000": {"GOMP_SPINCOUNT": "10000"},
     "spincount-1000": {"GOMP_SPINCOUNT": "1000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
@@ -100,7 +101,8 @@ def run(device: str, quick: bool = False) -> dict:
     from .serving_vllm import _checkpoint
     load_before, git = os.getloadavg(), git_state()
     checkpoint = _checkpoint()
-    names = list(POLICIES) if not quick else ["vgraph-default", "libgomp-default"]
+    names = [p for p in os.environ.get("VGRAPH_BUSY_POLICIES", "").split(",") if p] or list(POLICIES)
+    names = names if not quick else names[:2]
     cells = [(p, busy) for p in names for busy in (False, True)]
     samples: dict[str, dict[str, list[dict]]] = {p: {"quiet": [], "busy": []} for p in names}
     for r in range(1 if quick else ROUNDS):

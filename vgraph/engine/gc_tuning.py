@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 
 logger = logging.getLogger("vgraph")
 
 # Young-generation threshold while serving (CPython's default is 700): per-step objects die
 # young, so rarer young collections find little to promote.
 GEN0_THRESHOLD = 50_000
+ENV = "VGRAPH_GC_TUNING"  # "0": leave the collector as CPython sets it (to measure the difference)
 
 
 def freeze_after_startup() -> None:
-    """Collects once, freezes what survived, and raises the young threshold (see module doc)."""
+    """Collects once, freezes what survived, and raises the young threshold (see module doc);
+    nothing when ``VGRAPH_GC_TUNING=0``."""
+    if os.environ.get(ENV, "1") == "0":
+        return
     gc.collect()
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()

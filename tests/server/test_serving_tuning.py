@@ -1,0 +1,77 @@
+"""The serving processes' tuning: the collector frozen after startup, the OpenMP wait policy
+chosen before torch loads, and the optional per-step trace of the engine loop."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+
+from vgraph.engine.core_codec import SHUTDOWN
+from vgraph.engine.core_loop import EngineLoop
+from vgraph.engine.stats import EngineStats, EngineStep, RequestTiming
+
+
+def _python(code: str, **env: str) -> str:
+    """Runs ``code`` in a fresh interpreter (process-wide state stays out of this one)."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "VGRAPH_GC_TUNING")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**clean, **env}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_freeze_after_startup_freezes_and_raises_the_young_threshold():
+    code = ("import gc; from vgraph.engine.gc_tuning import freeze_after_startup, GEN0_THRESHOLD\n"
+            "freeze_after_startup(); print(gc.get_freeze_count() > 0, gc.get_threshold()[0] == GEN0_THRESHOLD)")
+    assert _python(code) == "True True"
+
+
+def test_gc_tuning_off_leaves_the_collector_alone():
+    code = ("import gc; from vgraph.engine.gc_tuning import freeze_after_startup\n"
+            "before = gc.get_threshold(); freeze_after_startup(); print(gc.get_freeze_count(), gc.get_threshold() == before)")
+    assert _python(code, VGRAPH_GC_TUNING="0") == "0 True"
+
+
+class _FakeEngine:
+    """Two steps of work, one request's timing each: enough to drive ``EngineLoop``."""
+
+    def __init__(self) -> None:
+        self.left = 2
+
+    def has_unfinished_requests(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> EngineStep:
+        self.left -= 1
+        return EngineStep([], [RequestTiming("r", 4, queue_time=0.0)], EngineStats(num_running=1))
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    def abort_all(self) -> None:
+        pass
+
+
+def test_step_trace_writes_one_line_per_step(tmp_path, monkeypatch):
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("VGRAPH_STEP_TRACE", str(path))
+    steps: list[EngineStep] = []
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    engine = _FakeEngine()
+
+    def stepped(step: EngineStep) -> None:
+        steps.append(step)
+        if not engine.has_unfinished_requests():
+            commands.put((SHUTDOWN,))
+
+    EngineLoop(engine, lambda *_: None, stepped).serve(commands)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 == sum(1 for s in steps if s.stats.num_running == 1)
+    assert all(r["start"] <= r["end"] and r["first_scheduled"] == 1 and r["running"] == 1 for r in records)
+
+
+def test_step_trace_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("VGRAPH_STEP_TRACE", raising=False)
+    loop = EngineLoop(_FakeEngine(), lambda *_: None, lambda _: None)
+    assert not loop.trace.enabled
