@@ -46,8 +46,10 @@ POLICIES: dict[str, dict[str, str]] = {
 
 
 def spinner(core: int) -> subprocess.Popen:
-    """A neighbour that keeps one core busy: a pure-Python loop pinned to ``core``."""
-    code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
+    """A neighbour that keeps one core busy: a pure-Python loop pinned to ``core``, which ends
+    by itself when this process is gone (a killed suite leaves no spinner behind)."""
+    code = (f"import os\nparent = os.getppid()\nos.sched_setaffinity(0, {{{core}}})\n"
+            "while os.getppid() == parent:\n    for _ in range(1_000_000):\n        pass\n")
     return subprocess.Popen([sys.executable, "-c", code])
 
 

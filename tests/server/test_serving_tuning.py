@@ -75,3 +75,23 @@ def test_step_trace_is_off_by_default(monkeypatch):
     monkeypatch.delenv("VGRAPH_STEP_TRACE", raising=False)
     loop = EngineLoop(_FakeEngine(), lambda *_: None, lambda _: None)
     assert not loop.trace.enabled
+
+
+def _topology(**kwargs):
+    from vgraph.engine.launch import ServingTopology
+    return ServingTopology("m", {"device": "cpu", "max_num_seqs": 16, "max_num_batched_tokens": None, **kwargs})
+
+
+def test_serving_on_cpu_defaults_to_small_prefill_chunks():
+    from vgraph.engine.launch import SERVE_CPU_STEP_TOKENS, with_serving_defaults
+    assert with_serving_defaults(_topology()).engine_kwargs["max_num_batched_tokens"] == SERVE_CPU_STEP_TOKENS
+
+
+def test_the_serving_budget_holds_every_seat_and_respects_the_user():
+    from vgraph.engine.launch import with_serving_defaults
+    assert with_serving_defaults(_topology(max_num_seqs=300)).engine_kwargs["max_num_batched_tokens"] == 300
+    assert with_serving_defaults(_topology(max_num_batched_tokens=777)).engine_kwargs["max_num_batched_tokens"] == 777
+    whole_prompts = _topology(enable_chunked_prefill=False)
+    assert with_serving_defaults(whole_prompts) is whole_prompts
+    gpu = _topology(device="cuda")
+    assert with_serving_defaults(gpu) is gpu
