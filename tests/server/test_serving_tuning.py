@@ -95,3 +95,21 @@ def test_the_serving_budget_holds_every_seat_and_respects_the_user():
     assert with_serving_defaults(whole_prompts) is whole_prompts
     gpu = _topology(device="cuda")
     assert with_serving_defaults(gpu) is gpu
+
+
+def test_import_vgraph_sets_a_short_openmp_spin_before_torch_loads():
+    from vgraph.omp_policy import SPIN_COUNT
+    code = "import os, vgraph; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    assert _python(code) == f"{SPIN_COUNT} None"
+
+
+def test_the_users_openmp_policy_wins():
+    code = "import os, vgraph; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    assert _python(code, OMP_WAIT_POLICY="PASSIVE") == "None PASSIVE"
+    assert _python(code, GOMP_SPINCOUNT="77") == "77 None"
+
+
+def test_no_policy_once_torch_is_loaded():
+    from vgraph.omp_policy import apply_default
+    environ: dict = {}
+    assert apply_default(environ) is None and environ == {}  # this test process imported torch long ago

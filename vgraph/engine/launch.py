@@ -51,14 +51,18 @@ class ServingTopology:
 
 
 def prepare_environment() -> None:
-    """What the serving processes need before torch loads (OpenMP reads it then).
+    """What the serving processes need before torch loads (OpenMP reads it then): vgraph's
+    OpenMP wait policy (``omp_policy``), which ``import vgraph`` has normally applied already.
 
-    The engine thread shares the CPU with the HTTP thread. OpenMP workers that spin between
-    parallel regions (the default) starve it, and on a busy machine every region then waits
-    for descheduled spinners: measured on 2 cores, inter-token latency at 1 stream went from
-    ~150 ms to ~10 ms with passive waiting. An explicit OMP_WAIT_POLICY from the user wins.
+    The engine shares the CPU with the HTTP server and the clients. OpenMP workers that spin
+    between parallel regions for libgomp's default ~300,000 polls starve them, and on a busy
+    machine every region then waits for descheduled spinners (measured on 2 cores with the
+    engine on a thread of the server: inter-token latency at 1 stream ~150 ms spinning, ~10 ms
+    passive). A short spin (``GOMP_SPINCOUNT=1000``) keeps most of what spinning buys on a quiet
+    machine without that; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT from the user wins.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .. import omp_policy
+    omp_policy.apply_default()
 
 
 def serving_engine(topology: ServingTopology) -> Any:
