@@ -11,6 +11,9 @@ hidden 512, 8 layers) from the peers' cache. Both stay up for the whole run and 
 alternately (A B B A ...), each after one untimed warm-up run, so slow drift of a shared
 machine lands on both. The load average is recorded with every run.
 
+Both servers run with ``SEATS`` sequence seats (vLLM's CPU server default) and otherwise their
+defaults: vgraph's serving step budget on CPU is then 128 tokens, vLLM's 2048.
+
 Targets (issue 33): vgraph's req/s >= 1.1x vLLM's; vgraph's ITL p99 <= 2x its TPOT p50.
 
 ``VGRAPH_SERVING_VLLM_VARIANTS="name=--flag value --flag2;name2=..."`` adds vgraph servers with
@@ -37,6 +40,7 @@ INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS, CONCURRENCY = 128, 64, 64, 16
 ROUNDS = 3
 BENCH_TIMEOUT_S = 900
 VLLM_KV_CACHE_GIB = 1
+SEATS = 128  # --max-num-seqs of both servers: vLLM's CPU server default (vgraph's own is 256)
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
            "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
 
@@ -71,7 +75,8 @@ def vgraph_server(name: str, checkpoint: str, port: int, extra: list[str]) -> Se
     flags = [item for item in extra if "=" not in item or item.startswith("-")]
     env.update(item.split("=", 1) for item in extra if "=" in item and not item.startswith("-"))
     argv = [sys.executable, "-m", "vgraph.cli", "serve", checkpoint, "--host", "127.0.0.1", "--port", str(port),
-            "--device", "cpu", "--served-model-name", MODEL_NAME, "--kv-cache-gib", "1", *flags]
+            "--device", "cpu", "--served-model-name", MODEL_NAME, "--kv-cache-gib", "1", "--max-num-seqs", str(SEATS),
+            *flags]
     return Server(name, argv, env, port=port)
 
 
@@ -80,7 +85,7 @@ def vllm_server(bin_dir: Path, checkpoint: str, port: int) -> Server:
     from perf.peers import vllm_cpu
     cores = f"0-{(os.cpu_count() or 1) - 1}"
     argv = [str(bin_dir / "vllm"), "serve", checkpoint, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--seed", "0"]
+            "--served-model-name", MODEL_NAME, "--dtype", "float32", "--seed", "0", "--max-num-seqs", str(SEATS)]
     return Server("vllm", argv, vllm_cpu.serve_env(bin_dir, VLLM_KV_CACHE_GIB, cores), port=port)
 
 
