@@ -113,3 +113,20 @@ def test_no_policy_once_torch_is_loaded():
     from vgraph.omp_policy import apply_default
     environ: dict = {}
     assert apply_default(environ) is None and environ == {}  # this test process imported torch long ago
+
+
+def test_a_token_without_text_yet_still_streams_an_event():
+    """A partial UTF-8 character completes no text, but the client gets its step's event (an
+    empty text delta), as from vLLM, instead of a gap spanning the run of such tokens."""
+    from vgraph import SamplingParams
+    from vgraph.engine.outputs import CompletionOutput, RequestOutput
+    from vgraph.server.routes_completions import _Completion
+    from vgraph.server.streaming import DeltaTracker
+    params = SamplingParams(max_tokens=4)
+    job = _Completion(None, None, "m", params, 1)
+    tracker = DeltaTracker(params)
+    partial = CompletionOutput(0, "", [200], None, None)
+    output = RequestOutput(job.ids[0], "p", [1], [partial], False)
+    chunk = job._chunk_choice(0, output, partial, tracker, {(0, 0): 0}, (0, 0))
+    assert chunk is not None and chunk["text"] == "" and chunk["finish_reason"] is None
+    assert job._chunk_choice(0, output, partial, tracker, {(0, 0): 0}, (0, 0)) is None  # nothing new: no event
