@@ -90,7 +90,7 @@ def vllm_server(bin_dir: Path, checkpoint: str, port: int) -> Server:
 
 
 def start(server: Server) -> None:
-    from .serving import _free_port  # noqa: F401  (ports are chosen by the caller)
+    """Starts the server's process, its output to a temporary log file."""
     server.log = tempfile.NamedTemporaryFile("w+", prefix=f"serving-vllm-{server.name}-", suffix=".log", delete=False)
     server.proc = subprocess.Popen(server.argv, stdout=server.log, stderr=subprocess.STDOUT, env=server.env)
 
@@ -138,6 +138,7 @@ def _itls(raw: dict) -> list[float]:
 
 
 def _bench_env(bin_dir: Path) -> dict[str, str]:
+    """The load generator's environment: vLLM's CPU platform, no preloads (it is a client)."""
     from perf.peers import vllm_cpu
     return vllm_cpu.platform_env({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
 
