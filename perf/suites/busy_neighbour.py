@@ -16,7 +16,8 @@ after it. Policies x {quiet, busy} are interleaved per round, the order reversed
 round, and the load average is recorded with each measurement.
 
 The ``vgraph-default`` row sets nothing: it is what a user gets from ``import vgraph`` before
-torch (``vgraph/omp_policy.py``: ``GOMP_SPINCOUNT=1000``). The other rows set the policy
+torch (``vgraph/omp_policy.py``: passive waiting when other threads are runnable as it loads,
+else ``GOMP_SPINCOUNT=1000``; each sample records what it chose). The other rows set the policy
 explicitly, which vgraph leaves alone. ``VGRAPH_BUSY_POLICIES=a,b`` runs only those rows.
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ POLICIES: dict[str, dict[str, str]] = {
     "vgraph-default": {},
     "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
     "spincount-10000": {"GOMP_SPINCOUNT": "10000"},
+    "spincount-1000": {"GOMP_SPINCOUNT": "1000"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
 

@@ -97,10 +97,26 @@ def test_the_serving_budget_holds_every_seat_and_respects_the_user():
     assert with_serving_defaults(gpu) is gpu
 
 
-def test_import_vgraph_sets_a_short_openmp_spin_before_torch_loads():
-    from vgraph.omp_policy import SPIN_COUNT
-    code = "import os, vgraph; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
-    assert _python(code) == f"{SPIN_COUNT} None"
+def test_import_vgraph_chooses_an_openmp_policy_before_torch_loads():
+    code = ("import os, vgraph; print(os.environ.get('GOMP_SPINCOUNT') == vgraph.omp_policy.SPIN_COUNT "
+            "or os.environ.get('OMP_WAIT_POLICY') == 'PASSIVE')")
+    assert _python(code) == "True"
+
+
+def test_a_short_spin_on_a_quiet_machine_passive_beside_busy_neighbours():
+    from vgraph.omp_policy import SPIN_COUNT, choose
+    assert choose(2, 0) == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    assert choose(2, 1) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert choose(64, 3) == {"GOMP_SPINCOUNT": SPIN_COUNT}
+    assert choose(64, 32) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_other_runnable_reads_the_kernels_running_count(tmp_path):
+    from vgraph.omp_policy import other_runnable
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.50 0.40 0.30 3/412 9999\n")
+    assert other_runnable(str(loadavg)) == 2
+    assert other_runnable(str(tmp_path / "missing")) == 0
 
 
 def test_the_users_openmp_policy_wins():

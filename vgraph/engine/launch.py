@@ -58,8 +58,9 @@ def prepare_environment() -> None:
     between parallel regions for libgomp's default ~300,000 polls starve them, and on a busy
     machine every region then waits for descheduled spinners (measured on 2 cores with the
     engine on a thread of the server: inter-token latency at 1 stream ~150 ms spinning, ~10 ms
-    passive). A short spin (``GOMP_SPINCOUNT=1000``) keeps most of what spinning buys on a quiet
-    machine without that; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT from the user wins.
+    passive). ``omp_policy`` waits passively when the machine is busy as vgraph loads and spins
+    briefly (``GOMP_SPINCOUNT=1000``) otherwise; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT
+    from the user wins.
     """
     from .. import omp_policy
     omp_policy.apply_default()
