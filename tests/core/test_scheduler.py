@@ -65,7 +65,9 @@ class FakeModel:
                 self.slots[copy.block_ids[position // BS]][position % BS] = token
         sampled = {c.request.request_id: self._sample(c.request, c.start_position + c.num_new_tokens)
                    for c in step.chunks if c.produces_token}
-        RunnerRequests.append_sampled(step, sampled)
+        for chunk in step.chunks:  # the runner's copy takes its own samples at once
+            if chunk.produces_token:
+                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
         return sampled
 
     def _sample(self, request: RunnerRequest, length: int) -> int:

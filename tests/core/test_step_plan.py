@@ -36,7 +36,9 @@ def _step(s: Scheduler, copies: RunnerRequests, token: int = 9, samples: bool = 
         assert chunk.produces_token == item.produces_token
     sampled = {x.request.request_id: token for x in sched.samples}
     if samples:
-        RunnerRequests.append_sampled(step, sampled)
+        for chunk in step.chunks:
+            if chunk.produces_token:
+                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
     s.update(sched, ModelRunnerOutput(sampled))
     return sched.plan
 

@@ -128,7 +128,7 @@ def _schedules_during_forward(engine, device) -> Iterator[list[int]]:
     original = engine.scheduler.schedule
 
     def schedule():
-        if device.busy.is_set():
+        if device.busy():
             count[0] += 1
         return original()
 

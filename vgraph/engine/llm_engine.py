@@ -364,7 +364,7 @@ def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | Multipr
     that many worker processes (vgraph/distributed/executor.py), after checking that the model
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
-        return ModelRunner(config, threaded=config.scheduler.async_scheduling)
+        return ModelRunner(config)
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)

@@ -1,48 +1,60 @@
 """An emulated asynchronous device, for showing on a CPU what overlapped scheduling does on a GPU.
 
-On a GPU the host launches a step's kernels and is free until it reads the sampled ids; the
-device time is spent without the GIL. ``emulated_device`` makes a runner's forward take a fixed
-extra time the same way (a sleep, which releases the GIL), so the engine's thread can be seen
-working while the "device" is busy, and the step time can be measured as device + host (serial)
-against about max(device, host) (overlapped). Used by tests and perf/suites/host_overhead.py.
+On a GPU the host enqueues a step's kernels and is free until it reads the sampled ids; the
+device works through its queue meanwhile. ``emulated_device`` gives a ``ModelRunner`` such a
+queue: each launched step also occupies the "device" for a fixed time after the one before it
+(``launch`` returns at once), and reading a step's ids (``finish``) waits, without the GIL, until
+the device is done with it. The engine's thread can then be seen working while the device is
+busy, and the step time measured as device + host (serial loop) against about max(device,
+host) (overlapped). Used by tests and perf/suites/host_overhead.py.
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any, Iterator
 
 
 class EmulatedDevice:
-    """``busy`` is set while a forward (and its emulated device time) runs."""
+    """The device's queue: when it will be free, and when each launched step is done."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.busy = threading.Event()
-        self.num_forwards = 0
+        self.free_at = 0.0
+        self.done_at: dict[int, float] = {}  # id(LaunchedStep) -> when its ids are ready
+        self.num_steps = 0
+
+    def busy(self) -> bool:
+        return time.monotonic() < self.free_at
+
+    def enqueue(self, launched: Any) -> None:
+        self.free_at = max(self.free_at, time.monotonic()) + self.seconds
+        self.done_at[id(launched)] = self.free_at
+        self.num_steps += 1
+
+    def wait(self, launched: Any) -> None:
+        ready = self.done_at.pop(id(launched), None)
+        if ready is not None:
+            time.sleep(max(0.0, ready - time.monotonic()))
 
 
 @contextlib.contextmanager
 def emulated_device(runner: Any, seconds: float) -> Iterator[EmulatedDevice]:
-    """Within the block, each forward of ``runner`` (a ``ModelRunner``) also takes ``seconds``
-    without holding the GIL."""
+    """Within the block, each step ``runner`` launches also takes ``seconds`` of device time."""
     device = EmulatedDevice(seconds)
-    graphs = runner.graphs
-    run = graphs.run
+    launch, finish = runner.launch, runner.finish
 
-    def slow_run(*args: Any, **kwargs: Any) -> Any:
-        device.busy.set()
-        try:
-            rows = run(*args, **kwargs)
-            time.sleep(seconds)
-            device.num_forwards += 1
-            return rows
-        finally:
-            device.busy.clear()
+    def launch_on_device(*args: Any, **kwargs: Any) -> Any:
+        launched = launch(*args, **kwargs)
+        device.enqueue(launched)
+        return launched
 
-    graphs.run = slow_run
+    def finish_on_device(launched: Any) -> Any:
+        device.wait(launched)
+        return finish(launched)
+
+    runner.launch, runner.finish = launch_on_device, finish_on_device
     try:
         yield device
     finally:
-        del graphs.run  # the class's method again
+        del runner.launch, runner.finish  # the class's methods again
