@@ -52,6 +52,11 @@ class RunnerRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_at(self, position: int) -> int:
+        """The token id at ``position`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        return prompt[position] if position < len(prompt) else self.output_token_ids[position - len(prompt)]
+
 
 @dataclass(frozen=True)
 class RunnerChunk:
