@@ -109,7 +109,9 @@ class LLMEngine:
         after_start = before_engine + ready if before_engine is not None else None
         logger.info("startup: %s", engine_timeline(before_engine, config_and_tokenizer, self.runner.startup,
                                                    after_start))
-        logger.info("engine ready in %.2f s", ready)
+        logger.info("engine ready in %.2f s; %s", ready,
+                    "overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are read"
+                    if overlap else "serial step loop (--async-scheduling overlaps it)")
 
     # ------------------------------------------------------------------ requests
 
