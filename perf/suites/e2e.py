@@ -311,17 +311,32 @@ def run_shape(plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs
     prompts = make_prompts(max(plan.batches + plan.streams), plan.prompt_len)
     print(f"{plan.shape}: {asdict(plan)}", flush=True)
     vg = vgraph_offline(path, device, plan, dummy, cfg, prompts, copy_gbs)
-    hf = hf_offline(path, device, plan, dummy, prompts, vg["weights_bytes"], copy_gbs)
-    srv = served(path, device, plan, dummy, cfg, prompts, vg["weights_bytes"], copy_gbs)
-    offline = [{"batch": b, "systems": {**vg["rows"][b], **hf["rows"][b]},
+    hf = guarded("transformers", device, lambda: hf_offline(path, device, plan, dummy, prompts,
+                                                              vg["weights_bytes"], copy_gbs))
+    srv = guarded("served", device, lambda: served(path, device, plan, dummy, cfg, prompts, vg["weights_bytes"],
+                                                   copy_gbs))
+    offline = [{"batch": b, "systems": {**vg["rows"][b], **hf.get("rows", {}).get(b, {})},
                 "async_sync_tokens_equal": vg["tokens"][b]["vgraph_async"] == vg["tokens"][b]["vgraph_sync"]}
                for b in plan.batches]
     return {"plan": asdict(plan), "weights_bytes": vg["weights_bytes"], "load_format": "dummy" if dummy else "auto",
             "config": cfg, "offline": offline,
-            "served": [{"streams": c, "systems": srv["rows"][c]} for c in plan.streams],
-            "build_s": {**vg["build_s"], "transformers": hf["build_s"]},
-            "interleaved": {"vgraph_offline": vg["interleaved"], "served": srv["interleaved"]},
-            "server": {k: srv[k] for k in ("rounds", "startup_to_ready_s", "exit_codes_after_sigterm")}}
+            "served": [{"streams": c, "systems": srv["rows"][c]} for c in plan.streams if c in srv.get("rows", {})],
+            "build_s": {**vg["build_s"], "transformers": hf.get("build_s")},
+            "interleaved": {"vgraph_offline": vg["interleaved"], "served": srv.get("interleaved")},
+            "errors": {k: v["error"] for k, v in (("transformers", hf), ("served", srv)) if "error" in v},
+            "server": {k: srv.get(k) for k in ("rounds", "startup_to_ready_s", "exit_codes_after_sigterm")}}
+
+
+def guarded(what: str, device: str, fn: Callable[[], dict]) -> dict:
+    """``fn()``, or ``{"error": ...}`` when it raises: a failing peer or server (a transformers
+    compile, a missing server dependency) must not lose the vgraph rows already measured."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded in the results and the summary
+        error = f"{type(exc).__name__}: {str(exc)[:500]}"
+    print(f"  {what} FAILED: {error}", flush=True)
+    gc_models(device)  # the failed system's frames are gone with the exception
+    return {"error": error}
 
 
 def targets(device: str, shapes: dict[str, dict], reduced: bool) -> dict:
@@ -390,6 +405,8 @@ def summarize(result: dict) -> str:
                 for name, c in row["systems"].items():
                     lines.append(f"{mode:8s} {row[key]:5d} {name:18s} {c['ms_per_step']:9.3f} {c['tok_s']:10.1f} "
                                  f"{_pct(c['copy_fraction'])}")
+        for what, error in s.get("errors", {}).items():
+            lines.append(f"{what}: FAILED, not measured: {error}")
         same = [row["batch"] for row in s["offline"] if not row["async_sync_tokens_equal"]]
         lines.append("async vs sync tokens: " + ("identical at every batch" if not same else f"DIFFER at {same}"))
     for key, t in result["target"].items():

@@ -87,3 +87,26 @@ def test_run_writes_rows_per_shape_and_checks_the_targets(monkeypatch, tmp_path)
     cpu = e2e.targets("cpu", result["shapes"], reduced=False)
     assert all(v["met"] is None for v in cpu.values())  # the targets are the GPU's
     assert all(v["met"] is None for v in e2e.targets("cuda", result["shapes"], reduced=True).values())
+
+
+def test_a_failing_peer_or_server_keeps_the_vgraph_rows(monkeypatch, tmp_path):
+    plan = e2e.Plan("qwen2.5-0.5b", (1, 2), (1,), (1,), prompt_len=4, new_tokens=3)
+    rows = {b: {n: _system(1.0, 2.0, 0.5) for n in e2e.VGRAPH} for b in plan.batches}
+    tokens = {b: {n: [[9, 9, 9]] * b for n in e2e.VGRAPH} for b in plan.batches}
+    monkeypatch.setattr(e2e, "vgraph_offline", lambda *a: {"rows": rows, "tokens": tokens, "weights_bytes": 10,
+                                                           "build_s": {}, "interleaved": True})
+
+    def broken(*args):
+        raise RuntimeError("vgraph serve exited with 1")
+
+    monkeypatch.setattr(e2e, "hf_offline", lambda *a: {"build_s": 1.0, "rows": {1: {"hf_eager": _system(9.0, 1.0, 0.1)}}})
+    monkeypatch.setattr(e2e, "served", broken)
+    shape = e2e.run_shape(plan, "cpu", 1, str(tmp_path), copy_gbs=10.0)
+    assert shape["errors"] == {"served": "RuntimeError: vgraph serve exited with 1"}
+    assert shape["served"] == []
+    assert list(shape["offline"][0]["systems"]) == ["vgraph_async", "vgraph_sync", "hf_eager"]
+    assert list(shape["offline"][1]["systems"]) == ["vgraph_async", "vgraph_sync"]
+    assert all(row["async_sync_tokens_equal"] for row in shape["offline"])
+    result = {"config": {"dtype": "float32", "device": "cpu"}, "bandwidth": {"copy_gbs": 10.0},
+              "shapes": {plan.shape: shape}, "target": e2e.targets("cpu", {plan.shape: shape}, reduced=True)}
+    assert "served: FAILED, not measured: RuntimeError: vgraph serve exited with 1" in e2e.summarize(result)
