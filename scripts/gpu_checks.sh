@@ -4,7 +4,8 @@
 #
 #   here:  bash ../shared/gpu/fetch-wheels.sh .gpu-wheels      (the server's deps, ~10 MB, ignored by git)
 #   tool:  run(command="bash scripts/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=600)
-#   later: run(command="bash scripts/gpu_checks.sh STEP ...", ...) for what the summary lists as skipped
+#   then, on the still-warm machine, what the summary's last line names, with the time left:
+#          run(command="GPU_CHECKS_BUDGET_S=200 bash scripts/gpu_checks.sh STEP ...", carry=[".gpu-wheels"])
 #
 # Steps, most important first (names to pass as arguments; default: all of them, in order):
 #   doctor       vgraph doctor: kernels, graph capture, the engine on this GPU
@@ -19,9 +20,9 @@
 #
 # Why it is shaped so: a call is cut at 10 minutes and only files under $OUT come back (at most
 # 8 of them). So each step has its own timeout, capped by what is left of GPU_CHECKS_BUDGET_S
-# (default 570 s), a step with under MIN_STEP_S left is skipped (and named in the summary with
-# the command that runs it next time), a failing step does not stop the rest, and everything is
-# written as it goes: $OUT/summary.txt (one line per step), $OUT/gpu_checks.log (every step's
+# (default 570 s), a step with under MIN_STEP_S left is skipped (it and any step cut by its
+# timeout are named in the summary's last line, the command for the next call), a failing step
+# does not stop the rest, and everything is written as it goes: $OUT/summary.txt (one line per step), $OUT/gpu_checks.log (every step's
 # output), $OUT/logs.tar.gz (per-step logs, results and plots, repacked after each step) and the
 # perf/results/*-cuda*.json files this run wrote. Without $OUT (run by hand) it writes to
 # ./gpu-checks-out.
@@ -32,8 +33,7 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 LOG="$OUT/gpu_checks.log"
 LOGDIR=$(mktemp -d /tmp/gpu-checks-logs.XXXXXX)
-MARK="$LOGDIR/.start"
-touch "$MARK"
+MARK=$(mktemp /tmp/gpu-checks-start.XXXXXX)  # the run's start: results newer than it are this run's
 BUDGET_S=${GPU_CHECKS_BUDGET_S:-570}
 MIN_STEP_S=${GPU_CHECKS_MIN_STEP_S:-30}
 START_S=$(date +%s)
@@ -71,12 +71,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   echo "===== $name (timeout ${limit} s): $*" | tee -a "$LOG"
   local t0 rc
   t0=$(date +%s)
-  timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$LOG" >"$LOGDIR/$name.log"
+  timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$LOG" "$LOGDIR/$name.log"
   rc=${PIPESTATUS[0]}
+  # The e2e suite's pass/fail lines for the targets, where a reader looks first.
+  [[ $name == e2e* ]] && grep -E '^(target |  .* FAILED)' "$LOGDIR/$name.log" | sed "s/^/$name: /" >>"$SUMMARY"
   if ((rc == 0)); then STATUS[$name]=pass; else STATUS[$name]=fail; fi
   local how="FAIL (exit $rc)"
   ((rc == 0)) && how=PASS
-  ((rc == 124 || rc == 137)) && how="TIMEOUT after ${limit} s"
+  if ((rc == 124 || rc == 137)); then
+    how="TIMEOUT after ${limit} s"
+    SKIPPED+=("$name")  # cut short: worth a call of its own
+  fi
   say "$name: $how in $(($(date +%s) - t0)) s"
   bundle
 }
@@ -121,11 +126,16 @@ STEPS=("$@")
 ((${#STEPS[@]})) || STEPS=(doctor e2e pytest-ops pytest-rest ops-check lora-fp8 decode ops)
 say "gpu_checks: steps ${STEPS[*]}; budget ${BUDGET_S} s; $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null)"
 # In this shell, not a pipeline's subshell: its PYTHONPATH must reach every step.
-echo "===== setup" >>"$LOG"
-setup >"$LOGDIR/setup.log" 2>&1
-rc=$?
-cat "$LOGDIR/setup.log" | tee -a "$LOG"
-if ((rc == 0)); then say "setup: PASS"; else say "setup: FAIL (exit $rc): the steps below will likely fail too"; fi
+# GPU_CHECKS_SKIP_SETUP=1: the environment is ready (a machine set up by hand, a dry run on CPU).
+if [[ ${GPU_CHECKS_SKIP_SETUP:-0} == 1 ]]; then
+  say "setup: skipped (GPU_CHECKS_SKIP_SETUP=1)"
+else
+  echo "===== setup" >>"$LOG"
+  setup >"$LOGDIR/setup.log" 2>&1
+  rc=$?
+  tee -a "$LOG" <"$LOGDIR/setup.log"
+  if ((rc == 0)); then say "setup: PASS"; else say "setup: FAIL (exit $rc): the steps below will likely fail too"; fi
+fi
 for s in "${STEPS[@]}"; do run_step "$s"; done
 if ((${#SKIPPED[@]})); then
   say "next call: bash scripts/gpu_checks.sh ${SKIPPED[*]}"
