@@ -33,10 +33,12 @@ Systems and how each is timed:
   ``copy_bandwidth_gbs``): the share of the memory bandwidth a batch-1 step would use if it
   did nothing but read the weights, the number the issue's "72% of the copy bandwidth" is.
 
-Memory: one kind of system is resident at a time (the two vgraph LLMs, then the transformers
-model, then the two servers), each freed (gc, ``torch.cuda.empty_cache``, dynamo reset) before the
-next; a pair that would not fit in 85% of free memory runs one after the other instead of
-interleaved (``interleaved`` in the results). The 8B shape's pair needs about 2 x 21 GiB.
+Order: every shape's vgraph rows (offline, then served), then every shape's transformers rows,
+so a run cut short has the targets' figures first. Memory: one kind of system is resident at a
+time (the two vgraph LLMs, the two servers, the transformers model), each freed (gc,
+``torch.cuda.empty_cache``, dynamo reset) before the next; a pair that would not fit in 85% of
+free memory runs one after the other instead of interleaved (``interleaved`` in the results).
+The 8B shape's pair needs about 2 x 21 GiB.
 
 Targets (issue 33, CUDA, default mode = ``vgraph_async``): ``TARGETS``. ``--quick`` runs the 0.5B
 shape fully (transformers' compiled variant at batch 1 only: each batch size recompiles) and
@@ -301,30 +303,50 @@ def served(path: str, device: str, plan: Plan, dummy: bool, cfg: Optional[dict],
             "exit_codes_after_sigterm": exits, "rows": rows}
 
 
-def run_shape(plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs: float) -> dict:
-    """Offline vgraph, offline transformers, served vgraph: one kind resident at a time."""
+def model_folder(plan: Plan, layers: Optional[int], tmp: str) -> tuple[str, bool, Optional[dict]]:
+    """The shape's folder (written once per run): config + tokenizer for a dummy load, or the
+    CPU perf checkpoint; whether it is dummy, and its config fields (None for the checkpoint)."""
     from vgraph.testing.checkpoints import build_perf_checkpoint
     dummy = plan.shape != CPU_SHAPE
     folder = os.path.join(tmp, plan.shape)
-    path = write_model_dir(folder, plan.shape, layers) if dummy else build_perf_checkpoint(folder, seed=0)
-    cfg = shape_config(plan.shape, layers) if dummy else None
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        write_model_dir(folder, plan.shape, layers) if dummy else build_perf_checkpoint(folder, seed=0)
+    return folder, dummy, shape_config(plan.shape, layers) if dummy else None
+
+
+def run_shape(plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs: float) -> dict:
+    """vgraph offline, then vgraph served: the systems the targets are about (the
+    transformers rows come later, ``add_peers``, so a cut-off run has these first)."""
+    path, dummy, cfg = model_folder(plan, layers, tmp)
     prompts = make_prompts(max(plan.batches + plan.streams), plan.prompt_len)
     print(f"{plan.shape}: {asdict(plan)}", flush=True)
     vg = vgraph_offline(path, device, plan, dummy, cfg, prompts, copy_gbs)
-    hf = guarded("transformers", device, lambda: hf_offline(path, device, plan, dummy, prompts,
-                                                              vg["weights_bytes"], copy_gbs))
     srv = guarded("served", device, lambda: served(path, device, plan, dummy, cfg, prompts, vg["weights_bytes"],
                                                    copy_gbs))
-    offline = [{"batch": b, "systems": {**vg["rows"][b], **hf.get("rows", {}).get(b, {})},
+    offline = [{"batch": b, "systems": dict(vg["rows"][b]),
                 "async_sync_tokens_equal": vg["tokens"][b]["vgraph_async"] == vg["tokens"][b]["vgraph_sync"]}
                for b in plan.batches]
     return {"plan": asdict(plan), "weights_bytes": vg["weights_bytes"], "load_format": "dummy" if dummy else "auto",
             "config": cfg, "offline": offline,
             "served": [{"streams": c, "systems": srv["rows"][c]} for c in plan.streams if c in srv.get("rows", {})],
-            "build_s": {**vg["build_s"], "transformers": hf.get("build_s")},
+            "build_s": dict(vg["build_s"]),
             "interleaved": {"vgraph_offline": vg["interleaved"], "served": srv.get("interleaved")},
-            "errors": {k: v["error"] for k, v in (("transformers", hf), ("served", srv)) if "error" in v},
+            "errors": {"served": srv["error"]} if "error" in srv else {},
             "server": {k: srv.get(k) for k in ("rounds", "startup_to_ready_s", "exit_codes_after_sigterm")}}
+
+
+def add_peers(shape: dict, plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs: float) -> None:
+    """transformers' rows into the shape's offline rows (or its error into ``errors``)."""
+    path, dummy, _ = model_folder(plan, layers, tmp)
+    prompts = make_prompts(max(plan.batches + plan.streams), plan.prompt_len)
+    print(f"{plan.shape}: transformers", flush=True)
+    hf = guarded("transformers", device, lambda: hf_offline(path, device, plan, dummy, prompts,
+                                                              shape["weights_bytes"], copy_gbs))
+    for row in shape["offline"]:
+        row["systems"].update(hf.get("rows", {}).get(row["batch"], {}))
+    shape["build_s"]["transformers"] = hf.get("build_s")
+    if "error" in hf:
+        shape["errors"]["transformers"] = hf["error"]
 
 
 def guarded(what: str, device: str, fn: Callable[[], dict]) -> dict:
@@ -362,11 +384,17 @@ def run(device: str, quick: bool = False) -> dict:
     shape_plans, layers = plans(device, quick)
     copy_gbs = copy_bandwidth_gbs(device)
     shapes: dict[str, dict] = {}
+    partial = f"e2e-{device}{'-quick' if quick else ''}-partial"
     with tempfile.TemporaryDirectory(prefix="vgraph-perf-e2e-") as tmp:
+        # Every shape's vgraph rows, then every shape's transformers rows (their compiles take
+        # minutes): a device call cut off late still has what the targets need. After each
+        # part, what was measured so far is written.
         for p in shape_plans:
             shapes[p.shape] = run_shape(p, device, layers, tmp, copy_gbs)
-            # A device call can be cut off before the last shape: what was measured stays.
-            write_results(f"e2e-{device}{'-quick' if quick else ''}-partial", {"suite": "e2e", "shapes": shapes})
+            write_results(partial, {"suite": "e2e", "shapes": shapes})
+        for p in shape_plans:
+            add_peers(shapes[p.shape], p, device, layers, tmp, copy_gbs)
+            write_results(partial, {"suite": "e2e", "shapes": shapes})
     return {"suite": "e2e",
             "config": {"device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
                        "shapes": [p.shape for p in shape_plans], "layers_override": layers,

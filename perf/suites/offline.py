@@ -163,8 +163,9 @@ class HFSystem:
 
         hf_logging.disable_progress_bar()  # keep the run's output to the timings
         if random_weights:
-            with torch.device(device):
-                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+            with torch.device(device):  # .to() below: a no-op unless from_config built it elsewhere
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+            self.model = self.model.to(device).eval()
         else:
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         self.compile_mode = compile_mode

@@ -66,6 +66,7 @@ def _stub_shape(plan, device, layers, tmp, copy_gbs):
 
 def test_run_writes_rows_per_shape_and_checks_the_targets(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "run_shape", _stub_shape)
+    monkeypatch.setattr(e2e, "add_peers", lambda *args: None)
     monkeypatch.setattr(e2e, "copy_bandwidth_gbs", lambda device: 4230.0)
     monkeypatch.setattr("perf.timing.RESULTS_DIR", tmp_path)
     result = e2e.run("cuda", quick=True)
@@ -102,6 +103,8 @@ def test_a_failing_peer_or_server_keeps_the_vgraph_rows(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "hf_offline", lambda *a: {"build_s": 1.0, "rows": {1: {"hf_eager": _system(9.0, 1.0, 0.1)}}})
     monkeypatch.setattr(e2e, "served", broken)
     shape = e2e.run_shape(plan, "cpu", 1, str(tmp_path), copy_gbs=10.0)
+    assert list(shape["offline"][0]["systems"]) == ["vgraph_async", "vgraph_sync"]  # peers come later
+    e2e.add_peers(shape, plan, "cpu", 1, str(tmp_path), copy_gbs=10.0)
     assert shape["errors"] == {"served": "RuntimeError: vgraph serve exited with 1"}
     assert shape["served"] == []
     assert list(shape["offline"][0]["systems"]) == ["vgraph_async", "vgraph_sync", "hf_eager"]
