@@ -131,6 +131,8 @@ def cell(samples: list[dict], batch: int, plan: Plan, weights: int, copy_gbs: fl
 
 
 def fraction(weights: int, step_s: float, copy_gbs: float) -> Optional[float]:
+    """Weight bytes per step time over the copy bandwidth (None for a step measured as <= 0,
+    which a noisy machine can give when the prefill-only run took longer than the full one)."""
     return weights / step_s / 1e9 / copy_gbs if step_s > 0 else None
 
 
@@ -231,6 +233,8 @@ def hf_offline(path: str, device: str, plan: Plan, dummy: bool, prompts: list[li
         out["rows"][b] = {n: cell(samples[n], b, plan, weights, copy_gbs) for n in systems}
         print(f"  offline batch {b}: " + ", ".join(f"{n} {c['ms_per_step']:.3f} ms/step"
                                                    for n, c in out["rows"][b].items()), flush=True)
+    # Whether generate() really compiled the decode forward (as offline.try_static_compile checks).
+    out["static_compiled"] = hasattr(hf.model, "_compiled_call")
     del hf
     gc_models(device)
     return out
@@ -345,6 +349,7 @@ def add_peers(shape: dict, plan: Plan, device: str, layers: Optional[int], tmp: 
     for row in shape["offline"]:
         row["systems"].update(hf.get("rows", {}).get(row["batch"], {}))
     shape["build_s"]["transformers"] = hf.get("build_s")
+    shape["transformers_static_compiled"] = hf.get("static_compiled")
     if "error" in hf:
         shape["errors"]["transformers"] = hf["error"]
 
@@ -433,6 +438,9 @@ def summarize(result: dict) -> str:
                 for name, c in row["systems"].items():
                     lines.append(f"{mode:8s} {row[key]:5d} {name:18s} {c['ms_per_step']:9.3f} {c['tok_s']:10.1f} "
                                  f"{_pct(c['copy_fraction'])}")
+        if s.get("transformers_static_compiled") is False:
+            lines.append("hf_static_compile: generate() compiled no forward (no _compiled_call): that row ran eager "
+                         "with a static cache")
         for what, error in s.get("errors", {}).items():
             lines.append(f"{what}: FAILED, not measured: {error}")
         same = [row["batch"] for row in s["offline"] if not row["async_sync_tokens_equal"]]

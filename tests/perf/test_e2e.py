@@ -100,7 +100,8 @@ def test_a_failing_peer_or_server_keeps_the_vgraph_rows(monkeypatch, tmp_path):
     def broken(*args):
         raise RuntimeError("vgraph serve exited with 1")
 
-    monkeypatch.setattr(e2e, "hf_offline", lambda *a: {"build_s": 1.0, "rows": {1: {"hf_eager": _system(9.0, 1.0, 0.1)}}})
+    monkeypatch.setattr(e2e, "hf_offline", lambda *a: {"build_s": 1.0, "static_compiled": False,
+                                                       "rows": {1: {"hf_eager": _system(9.0, 1.0, 0.1)}}})
     monkeypatch.setattr(e2e, "served", broken)
     shape = e2e.run_shape(plan, "cpu", 1, str(tmp_path), copy_gbs=10.0)
     assert list(shape["offline"][0]["systems"]) == ["vgraph_async", "vgraph_sync"]  # peers come later
@@ -112,4 +113,6 @@ def test_a_failing_peer_or_server_keeps_the_vgraph_rows(monkeypatch, tmp_path):
     assert all(row["async_sync_tokens_equal"] for row in shape["offline"])
     result = {"config": {"dtype": "float32", "device": "cpu"}, "bandwidth": {"copy_gbs": 10.0},
               "shapes": {plan.shape: shape}, "target": e2e.targets("cpu", {plan.shape: shape}, reduced=True)}
-    assert "served: FAILED, not measured: RuntimeError: vgraph serve exited with 1" in e2e.summarize(result)
+    text = e2e.summarize(result)
+    assert "served: FAILED, not measured: RuntimeError: vgraph serve exited with 1" in text
+    assert "hf_static_compile: generate() compiled no forward" in text
