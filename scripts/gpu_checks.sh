@@ -106,7 +106,10 @@ run_step() {
     doctor) step doctor 150 "$PY" -m vgraph.cli doctor ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
-    pytest-ops) step pytest-ops 150 "$PY" -m pytest -m gpu -n 8 -q -p no:cacheprovider tests/ops ;;
+    pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without
+      local xdist=()
+      "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
+      step pytest-ops 150 "$PY" -m pytest -m gpu "${xdist[@]}" -q -p no:cacheprovider tests/ops ;;
     pytest-rest) step pytest-rest 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/ops ;;
     ops-check) step ops-check 120 "$PY" -m vgraph.cli ops check --device cuda ;;
     lora-fp8)
