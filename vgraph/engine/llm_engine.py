@@ -20,11 +20,8 @@ from ..core.outputs import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
-from ..distributed.executor import MultiprocExecutor
-from ..distributed.sharding import check_divisible
+from ..distributed.executors import make_executor
 from ..lora.request import LoRARequest
-from ..models.llama import arch_spec
-from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
 from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
@@ -325,8 +322,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stops the tensor-parallel workers, if any (idempotent; they also stop at interpreter
         exit). A single-process engine holds nothing that needs stopping."""
-        if isinstance(self.runner, MultiprocExecutor):
-            self.runner.close()
+        close = getattr(self.runner, "close", None)  # executors of ranks have one; a ModelRunner does not
+        if close is not None:
+            close()
 
     def stats(self) -> EngineStats:
         """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""
@@ -337,13 +335,6 @@ class LLMEngine:
                            num_preemptions=self.scheduler.num_preemptions)
 
 
-def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
-    """The model runner in this process, or with ``tensor_parallel_size`` > 1 the executor of
-    that many worker processes (vgraph/distributed/executor.py), after checking that the model
-    splits evenly so that a bad size fails before any process starts."""
-    if not config.parallel.is_parallel:
-        return ModelRunner(config)
-    spec = arch_spec(hf_config)
-    check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
-                    spec.intermediate_size)
-    return MultiprocExecutor(config)
+def _start_runner(config: EngineConfig, hf_config: Any) -> Any:
+    """The runner or the executor of ranks that the resolved config names (distributed/executors.py)."""
+    return make_executor(config, hf_config)
