@@ -128,6 +128,16 @@ class RayExecutor(RankExecutor):
         self._start()
         self._log_placement(config)
 
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each rank's actor, by rank."""
+        return [p.node_id if p is not None else "" for p in self._places]
+
+    @property
+    def actors(self) -> list[Any]:
+        """Each rank's actor handle, by rank (empty once stopped): for tools that ask Ray about them."""
+        return list(self._actors)
+
     # ------------------------------------------------------------------ startup
 
     def _launch(self, config: EngineConfig) -> None:
