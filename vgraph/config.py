@@ -574,7 +574,8 @@ def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
     visible = torch.cuda.device_count()
     if tensor_parallel_size > visible:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA devices, "
-                         f"but {visible} {'is' if visible == 1 else 'are'} visible")
+                         f"but {visible} {'is' if visible == 1 else 'are'} visible; ranks on several machines "
+                         "run on a Ray cluster (--distributed-executor-backend ray)")
 
 
 # Where each engine argument lives: section name -> its dataclass ("engine": EngineConfig's own).

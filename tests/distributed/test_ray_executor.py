@@ -34,6 +34,7 @@ from vgraph import LLM, SamplingParams
 from vgraph.config import EngineConfig, ParallelConfig
 from vgraph.core.step_plan import StepPlan
 from vgraph.distributed.executor import RankExecutor, WorkerFailed
+from vgraph.distributed import executors
 from vgraph.distributed.executors import choose_executor_backend
 from vgraph.distributed.worker import SHUTDOWN
 
@@ -45,18 +46,21 @@ ENGINE = dict(dtype="float32", device="cpu", block_size=16, num_gpu_blocks=128, 
 
 # ---------------------------------------------------------------------- the choice, without Ray
 
-@pytest.mark.parametrize("given,tp,device,env,devices,chosen", [
-    (None, 1, "cpu", {}, 0, "uni"),
-    (None, 1, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, "uni"),  # one rank never needs a cluster
-    (None, 2, "cpu", {}, 0, "mp"),
-    (None, 2, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, "ray"),
-    (None, 2, "cuda", {}, 2, "mp"),
-    (None, 4, "cuda", {}, 2, "ray"),  # more ranks than this machine's GPUs: the world spans nodes
-    ("mp", 2, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, "mp"),
-    ("ray", 1, "cpu", {}, 0, "ray"),
-    ("mp", 1, "cpu", {}, 0, "mp"),
+@pytest.mark.parametrize("given,tp,device,env,devices,has_ray,chosen", [
+    (None, 1, "cpu", {}, 0, True, "uni"),
+    (None, 1, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, True, "uni"),  # one rank never needs a cluster
+    (None, 2, "cpu", {}, 0, True, "mp"),
+    (None, 2, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, True, "ray"),
+    (None, 2, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, False, "ray"),  # asked for: the error names the extra
+    (None, 2, "cuda", {}, 2, True, "mp"),
+    (None, 4, "cuda", {}, 2, True, "ray"),  # more ranks than this machine's GPUs: the world spans nodes
+    (None, 4, "cuda", {}, 2, False, "mp"),  # ... without Ray, the config refuses the size as before
+    ("mp", 2, "cpu", {"RAY_ADDRESS": "10.0.0.1:6379"}, 0, True, "mp"),
+    ("ray", 1, "cpu", {}, 0, True, "ray"),
+    ("mp", 1, "cpu", {}, 0, True, "mp"),
 ])
-def test_the_executor_is_chosen_once(given, tp, device, env, devices, chosen):
+def test_the_executor_is_chosen_once(monkeypatch, given, tp, device, env, devices, has_ray, chosen):
+    monkeypatch.setattr(executors, "ray_installed", lambda: has_ray)
     parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend=given)
     assert choose_executor_backend(parallel, device, env, local_devices=devices) == chosen
 
@@ -74,6 +78,10 @@ def test_executor_options_are_checked_and_resolved(monkeypatch):
     assert resolved.is_resolved and resolved.parallel.distributed_executor_backend == "mp"
     assert config.parallel.distributed_executor_backend is None, "the caller's config is left as given"
     assert resolved.parallel.placement_group_strategy == "SPREAD"
+    # Ray's ranks use the cluster's GPUs: this machine's count does not bound them.
+    cluster = EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=8, distributed_executor_backend="ray")
+    resolved = cluster.resolved(model_path="m", max_position_embeddings=64, quantized=False)
+    assert (resolved.parallel.distributed_executor_backend, resolved.parallel.distributed_backend) == ("ray", "nccl")
 
 
 def test_a_missing_ray_is_named_with_its_install_command(monkeypatch):

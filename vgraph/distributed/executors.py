@@ -12,6 +12,7 @@ Every executor answers the engine the same way (``num_blocks``, ``execute``, ``s
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -27,8 +28,8 @@ def choose_executor_backend(parallel: "ParallelConfig", device_type: str,
                             environ: Optional[Mapping[str, str]] = None,
                             local_devices: Optional[int] = None) -> str:
     """The user's choice, else: ``uni`` for one rank; ``ray`` when a Ray cluster is given
-    (``RAY_ADDRESS``, or this process already joined one) or the ranks outnumber this machine's
-    GPUs (the world spans nodes); ``mp`` otherwise. ``environ`` and ``local_devices`` default
+    (``RAY_ADDRESS``, or this process already joined one) or, Ray installed, the ranks outnumber
+    this machine's GPUs (the world spans nodes); ``mp`` otherwise. ``environ`` and ``local_devices`` default
     to this process's (tests pass their own)."""
     if parallel.distributed_executor_backend is not None:
         return parallel.distributed_executor_backend
@@ -37,13 +38,18 @@ def choose_executor_backend(parallel: "ParallelConfig", device_type: str,
     environ = os.environ if environ is None else environ
     if environ.get(RAY_ADDRESS_ENV) or _ray_connected():
         return "ray"
-    if device_type == "cuda":
+    if device_type == "cuda" and ray_installed():
         if local_devices is None:
             import torch
             local_devices = torch.cuda.device_count()
         if parallel.world_size > local_devices:
             return "ray"
-    return "mp"
+    return "mp"  # without Ray, too many ranks for this machine's GPUs is the config's refusal
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported here (asked without importing it)."""
+    return importlib.util.find_spec("ray") is not None
 
 
 def _ray_connected() -> bool:
