@@ -14,6 +14,10 @@ same batch and run the same forward (their all-reduces meet in the middle) and t
 on the same gathered logits; rank 0's result is the step's. Workers are spawned (never forked: a
 forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
 asks each to stop, then terminates what is left; it runs at interpreter exit too.
+
+``RankExecutor`` is the engine's side of that protocol, shared with the Ray executor
+(ray_executor.py), whose ranks are actors on other machines reached over TCP; it also lets the
+engine keep several steps in flight (``submit`` now, ``collect`` the oldest result later).
 """
 from __future__ import annotations
 
@@ -144,7 +148,9 @@ class RankExecutor:
     def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
         """Sends the step to every rank and returns at once: the engine may schedule the next
         step while this one runs. Each rank answers its connection in order, so ``collect``
-        returns the steps' results in the order submitted."""
+        returns the steps' results in the order submitted. A step sent while a rank still runs
+        the previous one waits in the connection's buffer; a plan larger than that buffer makes
+        this call wait until the rank reads it (after it has sent its previous reply)."""
         if not plan.chunks:
             self._in_flight.append(ModelRunnerOutput({}, None))
             return
