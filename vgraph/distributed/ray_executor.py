@@ -74,6 +74,7 @@ class RankPlace:
     gpu_ids: tuple[str, ...]
     listen_port: int  # the engine connects here to send the rank its commands
     rendezvous_port: Optional[int]  # rank 0: a port free on its node for torch.distributed
+    niceness: int  # the actor's scheduling niceness, after trying to match the engine's
 
 
 class RankActor:
@@ -83,15 +84,16 @@ class RankActor:
     def __init__(self) -> None:
         self._listener: Optional[Listener] = None
 
-    def place(self, authkey: bytes, rendezvous: bool) -> RankPlace:
-        """Opens the engine's listening socket and says where this actor is."""
+    def place(self, authkey: bytes, rendezvous: bool, niceness: int) -> RankPlace:
+        """Opens the engine's listening socket, takes the engine's scheduling priority when it
+        may, and says where this actor is."""
         import ray
 
         self._listener = Listener(("0.0.0.0", 0), authkey=authkey)
         context = ray.get_runtime_context()
         return RankPlace(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid(),
                          tuple(str(g) for g in ray.get_gpu_ids()), self._listener.address[1],
-                         _free_port() if rendezvous else None)
+                         _free_port() if rendezvous else None, _match_niceness(niceness))
 
     def serve(self, args: WorkerArgs) -> int:
         """Runs the rank until the engine says SHUTDOWN or the rank fails (its exit code)."""
@@ -100,6 +102,19 @@ class RankActor:
         conn = self._listener.accept()
         self._listener.close()
         return run_rank(args, conn)
+
+
+def _match_niceness(wanted: int) -> int:
+    """Ray starts its workers at niceness 15 (its ``worker_niceness``), below every ordinary
+    process: on a busy machine a rank then loses the CPU to them, and its step slows while the
+    other ranks wait for it in each collective. The actor takes the engine's niceness back
+    when the OS allows it (raising priority needs CAP_SYS_NICE); the niceness it runs at is
+    returned either way."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current > wanted:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, wanted)
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _free_port() -> int:
@@ -146,8 +161,10 @@ class RayExecutor(RankExecutor):
         self._placement_group = self._reserve(cuda, config.parallel.placement_group_strategy)
         self._actors = [self._actor(rank, cuda) for rank in range(self.world_size)]
         authkey = secrets.token_bytes(32)
-        self._places = self._get([a.place.remote(authkey, rank == 0) for rank, a in enumerate(self._actors)])
+        niceness = os.getpriority(os.PRIO_PROCESS, 0)
+        self._places = self._get([a.place.remote(authkey, rank == 0, niceness) for rank, a in enumerate(self._actors)])
         places: list[RankPlace] = list(self._places)
+        _warn_if_deprioritized(places, niceness)
         init_method = f"tcp://{places[0].node_ip}:{places[0].rendezvous_port}"
         threads = self._threads(places)
         level = logging.getLogger("vgraph").getEffectiveLevel()
@@ -216,8 +233,8 @@ class RayExecutor(RankExecutor):
             if place is None:
                 continue
             gpu = f"cuda:0 (GPU {', '.join(place.gpu_ids)} of its node)" if device == "cuda" else "cpu"
-            logger.info("ray: rank %d on node %s (node id %s), pid %d, device %s", rank, place.node_ip,
-                        place.node_id[:12], place.pid, gpu)
+            logger.info("ray: rank %d on node %s (node id %s), pid %d, device %s, niceness %d", rank,
+                        place.node_ip, place.node_id[:12], place.pid, gpu, place.niceness)
         nodes = len({p.node_id for p in self._places if p is not None})
         logger.info("tensor parallelism: %d ranks (pids %s) on %d Ray node(s), %s backend, placement %s",
                     self.world_size, ", ".join(map(str, self.pids)), nodes, config.parallel.distributed_backend,
@@ -279,6 +296,16 @@ class RayExecutor(RankExecutor):
         if self._owns_connection:
             self._owns_connection = False
             _disconnect(ray)
+
+
+def _warn_if_deprioritized(places: list[RankPlace], niceness: int) -> None:
+    """Says so when ranks run below the engine's priority (Ray's worker niceness kept)."""
+    low = [rank for rank, p in enumerate(places) if p.niceness > niceness]
+    if low:
+        logger.warning("ray: rank(s) %s run at niceness %d (Ray's worker_niceness), below the engine's %d: on a "
+                       "busy node their steps slow down; start Ray with RAY_worker_niceness=%d in the environment "
+                       "of `ray start`, or let the actors raise their priority (CAP_SYS_NICE)",
+                       ", ".join(map(str, low)), places[low[0]].niceness, niceness, niceness)
 
 
 # ---------------------------------------------------------------------- the cluster connection
