@@ -6,8 +6,8 @@ commands between them), on ranks that are threads echoing their commands.
 
 On Ray (``ray.cluster_utils.Cluster``: a head and a second node of one CPU each, so the two
 ranks land on two nodes): TP=2 over Ray, compiled, gives greedy tokens equal to one rank and to
-transformers (fp32) with prefix caching and preemption, and never recompiles; the startup log
-names each rank's node; ``vgraph serve`` over Ray runs its engine in the engine-core process
+transformers (fp32) with prefix caching and preemption, and never recompiles; the actors get
+the engine's VGRAPH_* variables and its priority; the startup log names each rank's node; ``vgraph serve`` over Ray runs its engine in the engine-core process
 (eager) and answers the same tokens; a killed actor is named and fails the engine, and neither
 actors nor the placement group are left behind. One cluster serves the module, and one engine
 runs at a time (the cluster has a CPU per rank): tests run in file order, the in-process engine
@@ -42,6 +42,7 @@ NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 LENGTHS = [1, 5, 16, 17, 40, 100]
 ENGINE = dict(dtype="float32", device="cpu", block_size=16, num_gpu_blocks=128, max_model_len=256)
+ENV_MARK = "VGRAPH_TEST_RAY_ENV_MARK"
 
 
 # ---------------------------------------------------------------------- the choice, without Ray
@@ -200,7 +201,11 @@ def _free_cpus(ray) -> float:
 def ray_llm(cluster):
     """TP=2 over Ray, compiled; its chosen executor is Ray because RAY_ADDRESS is set. The
     killed-actor test ends it (close is then a no-op)."""
-    llm = LLM(tiny_checkpoint(arch="llama"), tensor_parallel_size=2, **ENGINE)
+    os.environ[ENV_MARK] = "carried"  # the actors get the engine's VGRAPH_* variables
+    try:
+        llm = LLM(tiny_checkpoint(arch="llama"), tensor_parallel_size=2, **ENGINE)
+    finally:
+        del os.environ[ENV_MARK]
     yield llm
     llm.close()
 
@@ -224,6 +229,12 @@ def test_ranks_run_as_actors_on_two_nodes(ray_llm, cluster, caplog):
     assert len(nodes) == 2 and len(set(nodes)) == 2, "one rank per node"
     assert {n["NodeID"] for n in cluster.nodes() if n["Alive"]} == set(nodes)
     assert _free_cpus(cluster) == 0.0, "each rank holds its bundle's CPU"
+    for pid in runner.pids:  # the cluster is this machine's: the actors' processes can be read
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        assert f"{ENV_MARK}=carried".encode() in environ
+        if os.geteuid() == 0:  # raising a priority needs the privilege
+            assert os.getpriority(os.PRIO_PROCESS, pid) == os.getpriority(os.PRIO_PROCESS, 0), \
+                "the actor kept Ray's worker niceness"
 
 
 def test_greedy_tokens_equal_one_rank_and_transformers(ray_llm, one_rank):
