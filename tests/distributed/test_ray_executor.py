@@ -323,3 +323,14 @@ def _wait_until(check, message: str, timeout: float = 20.0) -> None:
     while not check():
         assert time.monotonic() < deadline, message
         time.sleep(0.2)
+
+
+def test_ranks_the_cluster_cannot_place_are_refused_in_one_line(cluster, monkeypatch):
+    """STRICT_PACK puts both ranks on one node, and no node has two CPUs: refused after the
+    placement timeout, with nothing left reserved."""
+    monkeypatch.setenv("VGRAPH_RAY_PLACEMENT_TIMEOUT_S", "3")
+    with pytest.raises(ValueError, match=r"could not place 2 ranks of \{'CPU': 1.0\} with strategy STRICT_PACK "
+                                         r"within 3 s"):
+        LLM(tiny_checkpoint(arch="llama"), tensor_parallel_size=2, placement_group_strategy="STRICT_PACK",
+            enforce_eager=True, **ENGINE)
+    _wait_until(lambda: _free_cpus(cluster) == 2.0, "the refused placement group was left reserved")

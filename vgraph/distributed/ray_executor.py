@@ -54,6 +54,11 @@ class RayUnavailable(ValueError):
     """The ray executor was chosen where Ray is not installed (a setup error, not a bug)."""
 
 
+class PlacementFailed(ValueError):
+    """The cluster cannot hold the ranks as asked (too few CPUs or GPUs, or a strict strategy
+    its nodes cannot meet): the request's error, said in one line."""
+
+
 def import_ray() -> Any:
     """The ``ray`` module, or ``RayUnavailable`` saying how to install it."""
     try:
@@ -184,7 +189,7 @@ class RayExecutor(RankExecutor):
         ready, _ = self._ray.wait([group.ready()], timeout=timeout)
         if not ready:
             self._ray.util.remove_placement_group(group)
-            raise RuntimeError(f"the Ray cluster could not place {self.world_size} ranks of {bundle} with strategy "
+            raise PlacementFailed(f"the Ray cluster could not place {self.world_size} ranks of {bundle} with strategy "
                                f"{strategy} within {timeout:.0f} s (${PLACEMENT_TIMEOUT_ENV}); the cluster has "
                                f"{self._ray.cluster_resources()}")
         return group
