@@ -167,6 +167,26 @@ def test_steps_in_flight_come_back_in_order_around_control_commands():
     assert ranks.closed and not any(t.is_alive() for t in ranks._threads)
 
 
+def test_rank_connections_send_at_once():
+    """The engine <-> actor connections are TCP: Nagle's algorithm would hold a large plan's body
+    (sent after its header) for the header's delayed ACK, ~40 ms a prefill step."""
+    import socket
+    from multiprocessing.connection import Client, Listener
+
+    from vgraph.distributed.ray_executor import no_delay
+
+    with Listener(("127.0.0.1", 0), authkey=b"k") as listener:
+        accepted: list[Connection] = []
+        thread = threading.Thread(target=lambda: accepted.append(listener.accept()))
+        thread.start()
+        conn = no_delay(Client(listener.address, authkey=b"k"))
+        thread.join()
+        for c in (conn, no_delay(accepted[0])):
+            with socket.socket(fileno=os.dup(c.fileno())) as sock:
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            c.close()
+
+
 # ---------------------------------------------------------------------- a two-node Ray cluster
 
 @pytest.fixture(scope="module")
