@@ -8,7 +8,10 @@ Measured in one process, both engines alive (compiled, fp32 on CPU, one torch th
 the Ray one on a local Ray instance it starts itself, interleaved rounds, medians:
 
 - **round trip**: the engine -> every rank -> engine exchange with no model work (the
-  compile-counters query), ``ROUND_TRIPS`` times per round: the floor of the per-step cost.
+  compile-counters query), ``ROUND_TRIPS`` times per round: the floor of the per-step cost;
+  and the same query carrying ``PAYLOAD_BYTES`` (which the ranks ignore), the size of a large
+  prefill's plan, where a transport's buffering shows (a TCP connection with Nagle's algorithm
+  on stalled ~40 ms here).
 - **steps**: one offline batch (``REQUESTS`` prompts of ``PROMPT_LEN`` tokens, ``NEW_TOKENS``
   greedy tokens each) through both engines in lockstep: one ``LLM.step`` of mp, then the same
   step of ray (the order alternating by round), each timed; decode steps (every request
@@ -29,6 +32,7 @@ from typing import Any
 
 ROUNDS = 5
 ROUND_TRIPS = 200
+PAYLOAD_BYTES = 64 * 1024
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 8, 64, 64
 QUICK = dict(rounds=1, round_trips=30, requests=4, prompt_len=32, new_tokens=8)
 SYSTEMS = ("mp", "ray")
@@ -65,17 +69,33 @@ def run(device: str, quick: bool = False) -> dict:
         prompts = _prompts(w, llms["mp"].engine.vocab_size)
         runs: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
         trips: dict[str, list[float]] = {name: [] for name in SYSTEMS}
+        big_trips: dict[str, list[float]] = {name: [] for name in SYSTEMS}
         for r in range(w["rounds"]):
             order = SYSTEMS if r % 2 == 0 else tuple(reversed(SYSTEMS))
             for name, run_ in _lockstep({n: llms[n] for n in order}, prompts, w["new_tokens"]).items():
                 runs[name].append(run_)
             for name in order:
                 trips[name].append(_round_trip_s(llms[name].engine.runner, w["round_trips"]))
+                big_trips[name].append(_payload_round_trip_s(llms[name].engine.runner, w["round_trips"]))
         counters = {name: [c.as_dict() if c is not None else None
                            for c in llms[name].engine.runner.collect_compile_counters()] for name in SYSTEMS}
         for llm in llms.values():
             llm.close()
-    return _result(device, w, runs, trips, builds, counters, load_before, git)
+    return _result(device, w, runs, trips, big_trips, builds, counters, load_before, git)
+
+
+def _payload_round_trip_s(executor: Any, reps: int) -> float:
+    """Median seconds of the compile-counters exchange with ``PAYLOAD_BYTES`` riding along
+    (the ranks answer it the same; the payload only crosses the transport)."""
+    from vgraph.distributed.worker import COUNTERS
+
+    payload = bytes(PAYLOAD_BYTES)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        executor._broadcast((COUNTERS, payload))
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 def _lockstep(llms: dict[str, Any], prompts: list[list[int]], new_tokens: int) -> dict[str, dict]:
@@ -113,13 +133,14 @@ def _paired_ms(runs: dict, kind: str) -> float:
     return 1e3 * statistics.median(diffs)
 
 
-def _result(device: str, w: dict, runs: dict, trips: dict, builds: dict, counters: dict, load_before: Any,
-            git: Any) -> dict:
+def _result(device: str, w: dict, runs: dict, trips: dict, big_trips: dict, builds: dict, counters: dict,
+            load_before: Any, git: Any) -> dict:
     systems = {}
     for name, rs in runs.items():
         systems[name] = {
             "round_trip_ms": 1e3 * statistics.median(trips[name]),
             "round_trip_samples_ms": [1e3 * t for t in trips[name]],
+            "round_trip_64k_ms": 1e3 * statistics.median(big_trips[name]),
             "decode_step_ms": 1e3 * statistics.median(s for r in rs for s in r["decode_step_s"]),
             "prefill_step_ms": 1e3 * statistics.median(s for r in rs for s in r["prefill_step_s"]),
             "median_wall_s": statistics.median(r["wall_s"] for r in rs),
@@ -135,6 +156,7 @@ def _result(device: str, w: dict, runs: dict, trips: dict, builds: dict, counter
         "systems": systems,
         "tokens_equal": all(a["tokens"] == b["tokens"] for a, b in zip(runs["mp"], runs["ray"])),
         "ray_minus_mp_ms": {"round_trip": ray["round_trip_ms"] - mp["round_trip_ms"],
+                            "round_trip_64k": ray["round_trip_64k_ms"] - mp["round_trip_64k_ms"],
                             "decode_step": _paired_ms(runs, "decode"),
                             "prefill_step": _paired_ms(runs, "prefill")},
         "ray_minus_mp_note": "round trip: difference of medians; steps: median of paired per-step differences",
@@ -148,11 +170,13 @@ def summarize(result: dict) -> str:
     lines = [f"ray-executor ({c['device']}): TP=2, {c['requests']} prompts x {c['prompt_len']} tokens, "
              f"{c['new_tokens']} new each, compiled, median of {c['rounds']} interleaved rounds; load average "
              f"{load[0][0]:.2f} before, {load[1][0]:.2f} after",
-             f"  {'system':<8}{'round trip ms':>15}{'decode ms':>11}{'prefill ms':>12}{'wall s':>9}{'build s':>9}"]
+             f"  {'system':<8}{'round trip ms':>15}{'64 KiB trip ms':>16}{'decode ms':>11}{'prefill ms':>12}"
+             f"{'wall s':>9}{'build s':>9}"]
     for name, x in s.items():
-        lines.append(f"  {name:<8}{x['round_trip_ms']:>15.3f}{x['decode_step_ms']:>11.2f}{x['prefill_step_ms']:>12.2f}"
-                     f"{x['median_wall_s']:>9.2f}{x['build_s']:>9.1f}")
-    lines.append(f"  ray - mp per step: round trip {d['round_trip']:+.3f} ms, decode step {d['decode_step']:+.2f} ms, "
+        lines.append(f"  {name:<8}{x['round_trip_ms']:>15.3f}{x['round_trip_64k_ms']:>16.3f}{x['decode_step_ms']:>11.2f}"
+                     f"{x['prefill_step_ms']:>12.2f}{x['median_wall_s']:>9.2f}{x['build_s']:>9.1f}")
+    lines.append(f"  ray - mp per step: round trip {d['round_trip']:+.3f} ms (64 KiB: {d['round_trip_64k']:+.3f}), "
+                 f"decode step {d['decode_step']:+.2f} ms, "
                  f"prefill step {d['prefill_step']:+.2f} ms (target < 1 ms); tokens equal: {result['tokens_equal']}")
     return "\n".join(lines)
 
