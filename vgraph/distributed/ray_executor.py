@@ -5,10 +5,11 @@ placement group of one bundle per rank (``{"CPU": 1}``, plus ``{"GPU": 1}`` on C
 SPREAD over the nodes), starts one ``RankActor`` in each bundle with the engine's environment
 (``VGRAPH_*`` and the other variables named in ``ENV_PREFIXES``), and every actor then runs the
 very loop a local rank process runs (``worker.run_rank`` driving ``worker.RankWorker``) over a
-TCP connection that the engine opens to it. Why not a Ray call per step: a remote call costs
-about half a millisecond of driver and actor time per rank on this machine, ten times a pickled
-message on a socket, and the steps are the hot path; so the per-step cost equals the ``mp``
-executor's (``perf/suites/ray_executor.py`` measures both).
+TCP connection that the engine opens to it (Nagle off: see ``no_delay``). Why not a Ray call
+per step: a remote call costs about half a millisecond of driver and actor time per rank on this
+machine, several times a pickled message on a socket, and the steps are the hot path; so the
+per-step cost equals the ``mp`` executor's (``perf/suites/ray_executor.py`` measures both). The
+actors also take back the engine's scheduling priority from Ray's worker niceness.
 
 Ranks meet in torch.distributed at the rank-0 actor's node address and a port free there (gloo
 on CPU, NCCL on CUDA, where each actor sees only its own GPU, as ``cuda:0``). The engine watches
