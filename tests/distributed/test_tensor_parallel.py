@@ -165,7 +165,8 @@ def test_parallel_config_is_checked():
 
 
 def _resolve(device: str, tp: int) -> EngineConfig:
-    config = EngineConfig.from_kwargs("m", device=device, tensor_parallel_size=tp)
+    # mp: ranks on this machine (left unset, more ranks than GPUs choose Ray where it is installed).
+    config = EngineConfig.from_kwargs("m", device=device, tensor_parallel_size=tp, distributed_executor_backend="mp")
     return config.resolved(model_path="m", max_position_embeddings=64, quantized=False)
 
 
