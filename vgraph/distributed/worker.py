@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -94,12 +95,38 @@ def run_rank(args: WorkerArgs, conn: Connection) -> int:
 
 def _serve(args: WorkerArgs, conn: Connection) -> None:
     rank = RankWorker(args)
-    conn.send(("ok", rank.info()))
-    while True:
-        command, payload = conn.recv()
-        conn.send(("ok", rank.handle(command, payload)))
-        if command == SHUTDOWN:
-            return
+    replies = _Replies(conn)
+    try:
+        replies.send(("ok", rank.info()))
+        while True:
+            command, payload = conn.recv()
+            replies.send(("ok", rank.handle(command, payload)))
+            if command == SHUTDOWN:
+                return
+    finally:
+        replies.close()
+
+
+class _Replies:
+    """Sends the rank's replies from a thread of their own, in order, while the rank reads on.
+
+    With steps in flight the engine may be writing the next step while this rank writes the
+    previous reply: were both larger than the connection's buffer and both sides blocked in
+    ``send``, neither would read. Here the rank's reading never waits on its writing."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vgraph-rank-replies")
+        self._last: Optional[Future] = None
+
+    def send(self, message: Any) -> None:
+        if self._last is not None and self._last.done():
+            self._last.result()  # a failed send (the engine is gone) ends the rank now
+        self._last = self._pool.submit(self._conn.send, message)
+
+    def close(self) -> None:
+        """Waits for the queued replies (their errors are the engine's absence: the rank ends)."""
+        self._pool.shutdown(wait=True)
 
 
 class RankWorker:
