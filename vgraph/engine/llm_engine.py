@@ -21,11 +21,8 @@ from ..core.outputs import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
-from ..distributed.executor import MultiprocExecutor
-from ..distributed.sharding import check_divisible
+from ..distributed.executors import make_executor
 from ..lora.request import LoRARequest
-from ..models.llama import arch_spec
-from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
 from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
@@ -53,7 +50,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(r.status.finished for r in self.sequences)
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests: no generator
+            return sequences[0].status.finished
+        return all(r.status.finished for r in sequences)
 
     @property
     def finish_reasons(self) -> list[str]:
@@ -106,7 +106,9 @@ class LLMEngine:
         after_start = before_engine + ready if before_engine is not None else None
         logger.info("startup: %s", engine_timeline(before_engine, config_and_tokenizer, self.runner.startup,
                                                    after_start))
-        logger.info("engine ready in %.2f s", ready)
+        logger.info("engine ready in %.2f s; %s", ready,
+                    "overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are read"
+                    if overlap else "serial step loop (--async-scheduling overlaps it)")
 
     # ------------------------------------------------------------------ requests
 
@@ -262,10 +264,12 @@ class LLMEngine:
             new_tokens[group_id] = new_tokens.get(group_id, 0) + self._add_to_delta(delta, index, req)
         groups = [self._groups[gid] for gid in deltas]
         for group in groups:
-            self._attach_prompt_logprobs(group, deltas[group.request_id])
+            if not group.prompt_logprobs_sent and group.sequences[0].num_prompt_logprobs is not None:
+                self._attach_prompt_logprobs(group, deltas[group.request_id])
+        ids = dict.fromkeys([*first_scheduled, *new_tokens]) if first_scheduled else new_tokens
         timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
                                 gid in new_tokens)
-                   for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
+                   for gid in ids]
         for group in groups:
             if group.finished:
                 self._forget(group.request_id)
@@ -309,14 +313,15 @@ class LLMEngine:
             group.prompt_logprobs_sent = True
 
     def _stamp_first_scheduled(self, sched: SchedulerOutput, now: float) -> set[str]:
-        """Stamps and returns the requests scheduled for the first time in this step.
+        """Stamps and returns the requests scheduled for the first time in this step (only
+        admissions can be: the running ones were scheduled before).
 
         Their queue time is reported in this step even when a chunked prefill produces no
         token yet; re-admissions after preemption are not first schedulings.
         """
         first: set[str] = set()
-        for item in sched.scheduled:
-            group = self._groups[self._seq_to_group[item.request.request_id][0]]
+        for request in sched.admitted:
+            group = self._groups[self._seq_to_group[request.request_id][0]]
             if group.first_scheduled is None:
                 group.first_scheduled = now
                 first.add(group.request_id)
@@ -346,7 +351,7 @@ class LLMEngine:
             finish_reasons=group.finish_reasons if finished else [])
 
     def close(self) -> None:
-        """Stops the runner's step thread or the tensor-parallel workers (idempotent; workers
+        """Finishes the runner's launched steps, or stops the worker ranks (idempotent; workers
         also stop at interpreter exit)."""
         self.runner.close()
 
@@ -359,13 +364,6 @@ class LLMEngine:
                            num_preemptions=self.scheduler.num_preemptions)
 
 
-def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
-    """The model runner in this process, or with ``tensor_parallel_size`` > 1 the executor of
-    that many worker processes (vgraph/distributed/executor.py), after checking that the model
-    splits evenly so that a bad size fails before any process starts."""
-    if not config.parallel.is_parallel:
-        return ModelRunner(config, threaded=config.scheduler.async_scheduling)
-    spec = arch_spec(hf_config)
-    check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
-                    spec.intermediate_size)
-    return MultiprocExecutor(config)
+def _start_runner(config: EngineConfig, hf_config: Any) -> Any:
+    """The runner or the executor of ranks that the resolved config names (distributed/executors.py)."""
+    return make_executor(config, hf_config)
