@@ -90,6 +90,9 @@ class KVCacheManager:
         Returns False, changing nothing, when the free queue cannot supply the blocks.
         """
         hits = new_computed_blocks or []
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if not hits and num_tokens <= len(request.block_ids) * self.block_size and num_tokens <= self.max_model_len:
+            return True  # a decode inside its last block: the common case, nothing to allocate
         if hits and request.block_ids:
             raise ValueError(f"request {request.request_id}: prefix hits can only be added at admission")
         num_tokens = request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens

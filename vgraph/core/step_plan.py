@@ -36,10 +36,12 @@ class PlannedRequest:
     lora_request: Optional[LoRARequest] = None  # its adapter (None: the base model)
 
 
-@dataclass(frozen=True)
+@dataclass
 class PlannedChunk:
     """One scheduled chunk: ``num_new_tokens`` tokens from ``start_position`` on, and what
-    changed in its request since the runner last saw it."""
+    changed in its request since the runner last saw it. Not frozen: one is built per request
+    per step, and a frozen dataclass's ``__init__`` costs about twice as much; nothing changes
+    it after the planner made it."""
 
     request_id: str
     num_new_tokens: int
