@@ -1,4 +1,4 @@
-"""The multiprocessing executor: tensor parallelism over N spawned worker processes.
+"""The multiprocessing executor: tensor and pipeline parallelism over T x P spawned worker processes.
 
 Design: every rank, rank 0 included, is its own process, and the engine process holds no model.
 Why not rank 0 inside the engine: a rank blocked in a collective cannot notice that another rank
@@ -11,13 +11,19 @@ scheduler's plan (core/step_plan.py), which carries only what changed since the 
 
 The scheduler runs once, in the engine; each step is broadcast to all ranks, which build the
 same batch and run the same forward (their all-reduces meet in the middle) and the same sampler
-on the same gathered logits; rank 0's result is the step's. Workers are spawned (never forked: a
+on the same gathered logits; the output rank's result is the step's (rank 0, or with pipeline
+stages tp rank 0 of the last stage).
+
+Steps may be in flight (``submit`` now, ``collect`` later, first in first out): the ranks read
+their pipes in order, so with pipeline stages stage 0 starts step N + 1 while the last stage
+still runs step N. ``execute`` is ``submit`` then ``collect``. Workers are spawned (never forked: a
 forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
 asks each to stop, then terminates what is left; it runs at interpreter exit too.
 """
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import logging
 import multiprocessing
@@ -53,7 +59,7 @@ _STARTUP_HINT = ("\nWorkers are spawned processes that import your main module a
 
 
 class WorkerFailed(RuntimeError):
-    """A tensor-parallel worker died or raised; the executor has stopped every rank."""
+    """A worker (any rank of any stage) died or raised; the executor has stopped every rank."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
@@ -65,6 +71,7 @@ class _Worker:
     rank: int
     process: Any  # multiprocessing.Process (spawn context)
     conn: Connection
+    place: str = ""  # where it is, for messages: its pipeline stage and tp rank when there are stages
 
 
 def free_port() -> int:
@@ -80,7 +87,7 @@ def threads_per_rank(world_size: int) -> int:
 
 
 class MultiprocExecutor:
-    """Runs ``config.parallel.tensor_parallel_size`` ranks; stands where a ModelRunner stands
+    """Runs ``config.parallel.world_size`` ranks (T per stage, P stages); stands where a ModelRunner stands
     for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``,
     ``add_lora``, ``remove_lora``)."""
 
@@ -91,6 +98,10 @@ class MultiprocExecutor:
         self._output_rank = config.parallel.output_rank
         self._failure: Optional[WorkerFailed] = None
         self._closed = False
+        # One entry per submitted, uncollected step: whether it went to the ranks (an empty plan
+        # does not); and the replies of sent steps read early (before another command), in order.
+        self._in_flight: collections.deque[bool] = collections.deque()
+        self._answered: collections.deque[ModelRunnerOutput] = collections.deque()
         self._workers = self._spawn(config)
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
@@ -112,9 +123,10 @@ class MultiprocExecutor:
         self.compile_counters = infos[0].compile_counters
         self.compile_cache = None  # lives in the workers: one entry per rank
         self.compile_cache_folders = [info.compile_cache_folder for info in infos]
-        logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
-                    ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
-                    threads_per_rank(self.world_size))
+        par = config.parallel
+        logger.info("%d ranks: tensor parallel %d x pipeline parallel %d (pids %s), %s backend, %d torch threads "
+                    "each", self.world_size, par.tensor_parallel_size, par.pipeline_parallel_size,
+                    ", ".join(map(str, self.pids)), par.distributed_backend, threads_per_rank(self.world_size))
 
     def _spawn(self, config: EngineConfig) -> list[_Worker]:
         ctx = multiprocessing.get_context("spawn")
@@ -126,20 +138,44 @@ class MultiprocExecutor:
             parent, child = ctx.Pipe()
             args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
                               timeout, level)
-            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
+            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-rank-{rank}", daemon=True)
             process.start()
             child.close()  # the worker's end lives in the worker: EOF here when it dies
-            workers.append(_Worker(rank, process, parent))
+            workers.append(_Worker(rank, process, parent, _place(config, rank)))
         return workers
 
     # ------------------------------------------------------------------ the engine's calls
 
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
-        """Broadcasts the step; returns rank 0's result."""
-        if not plan.chunks:
-            return ModelRunnerOutput({}, None)
+        """Runs one step with nothing else in flight; returns the output rank's result."""
+        if self._in_flight:
+            raise RuntimeError("execute() while steps are in flight: collect() them first")
+        self.submit(plan, grammar_masks)
+        return self.collect()
+
+    def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
+        """Sends the step to every rank without waiting for it; ``collect`` returns its result."""
         self._check_running()
-        return self._broadcast((STEP, (plan, grammar_masks)))[self._output_rank]
+        if plan.chunks:
+            self._guarded(self._send, (STEP, (plan, grammar_masks)))
+        self._in_flight.append(bool(plan.chunks))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The result of the oldest submitted step, waiting for it."""
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        sent = self._in_flight.popleft()
+        if not sent:
+            return ModelRunnerOutput({}, None)
+        if self._answered:
+            return self._answered.popleft()
+        self._check_running()
+        return self._guarded(self._replies)[self._output_rank]
+
+    @property
+    def num_in_flight(self) -> int:
+        """Submitted steps not collected yet."""
+        return len(self._in_flight)
 
     def add_lora(self, lora: Any) -> None:
         """Every rank reads and checks the adapter (each keeps its shard); a bad adapter raises
@@ -180,23 +216,36 @@ class MultiprocExecutor:
 
     def _check_running(self) -> None:
         if self._failure is not None:
-            raise WorkerFailed(self._failure.rank, f"the tensor-parallel executor has stopped: {self._failure}")
+            raise WorkerFailed(self._failure.rank, f"the multiprocessing executor has stopped: {self._failure}")
         if self._closed:
-            raise RuntimeError("the tensor-parallel executor is closed")
+            raise RuntimeError("the multiprocessing executor is closed")
 
     def _broadcast(self, command: Optional[tuple[str, Any]]) -> list[Any]:
         """Sends ``command`` to every rank (None: nothing, wait for the startup report) and
-        returns every rank's reply, by rank. Any rank dying or failing first stops them all."""
+        returns every rank's reply, by rank. Replies of steps still in flight are read first
+        and kept for ``collect``. Any rank dying or failing first stops them all."""
+        self._read_in_flight()
+        if command is not None:
+            self._guarded(self._send, command)
+        return self._guarded(self._replies)
+
+    def _read_in_flight(self) -> None:
+        for _ in range(sum(self._in_flight) - len(self._answered)):
+            self._answered.append(self._guarded(self._replies)[self._output_rank])
+
+    def _send(self, command: tuple[str, Any]) -> None:
+        for w in self._workers:
+            w.conn.send(command)
+
+    def _guarded(self, call: Any, *args: Any) -> Any:
+        """``call(*args)``, a broken pipe or a failed rank turned into the executor's failure."""
         try:
-            if command is not None:
-                for w in self._workers:
-                    w.conn.send(command)
-            return self._replies()
+            return call(*args)
         except WorkerFailed as failure:
             self._fail(failure)
             raise
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            failure = self._find_dead() or WorkerFailed(-1, "a tensor-parallel worker's pipe closed")
+            failure = self._find_dead() or WorkerFailed(-1, "a worker's pipe closed")
             self._fail(failure)
             raise failure from None
 
@@ -221,7 +270,7 @@ class MultiprocExecutor:
             worker.process.join(_GRACE_S)
             raise _died(worker) from None
         if status == "error":
-            raise WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
+            raise WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}){worker.place} "
                                             f"failed; the engine stopped every rank.\n{payload}")
         return payload
 
@@ -245,8 +294,17 @@ def _died(worker: _Worker) -> WorkerFailed:
     how = f"exit code {code}"
     if code is not None and code < 0:
         how = f"signal {signal.Signals(-code).name}"
-    return WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died "
-                                     f"({how}); the engine stopped every rank")
+    return WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
+                                     f"{worker.place}; the engine stopped every rank")
+
+
+def _place(config: EngineConfig, rank: int) -> str:
+    """``, pipeline stage s of P, tp rank t`` with stages; empty without."""
+    par = config.parallel
+    if par.pipeline_parallel_size == 1:
+        return ""
+    stage, tp_rank = divmod(rank, par.tensor_parallel_size)
+    return f", pipeline stage {stage} of {par.pipeline_parallel_size}, tp rank {tp_rank}"
 
 
 def _stop(workers: list[_Worker]) -> None:

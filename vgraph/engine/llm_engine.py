@@ -21,6 +21,7 @@ from ..structured.compiler import GrammarCompiler
 from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
 from ..distributed.executor import MultiprocExecutor
+from ..distributed.pipeline import stage_layers
 from ..distributed.sharding import check_divisible
 from ..lora.request import LoRARequest
 from ..models.llama import arch_spec
@@ -338,12 +339,13 @@ class LLMEngine:
 
 
 def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
-    """The model runner in this process, or with ``tensor_parallel_size`` > 1 the executor of
-    that many worker processes (vgraph/distributed/executor.py), after checking that the model
+    """The model runner in this process, or with more than one rank (tensor x pipeline parallel
+    size) the executor of that many worker processes (vgraph/distributed/executor.py), after checking that the model
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
         return ModelRunner(config)
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)
+    stage_layers(spec.num_layers, config.parallel.pipeline_parallel_size)  # every stage gets a layer
     return MultiprocExecutor(config)

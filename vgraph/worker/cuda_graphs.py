@@ -36,7 +36,7 @@ from ..compiler.capture_safety import CaptureRegion
 from ..compiler.piecewise_graphs import Phase, PiecewiseGraphs
 from ..config import CudaGraphMode
 from .runner_requests import RunnerStep
-from .batch import BatchBuilder, FlatBatch
+from .batch import BatchBuilder, FlatBatch, StageInput
 from .dispatch import BatchShape, Buckets, Decision, Path, choose
 from .dummy import DummySource
 
@@ -65,12 +65,17 @@ class DecodeBuffers:
     ``query_start_loc`` is ``0..B`` and is written once, here."""
 
     @torch.inference_mode()
-    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 stage_input: Optional[StageInput] = None) -> None:
+        """``stage_input``: on a later pipeline stage the inputs are the previous stage's rows."""
         # Inference tensors, like every other input the runner makes: the compiled forward
         # guards on that, and on Dynamo's frame an ordinary tensor would be a recompile.
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
         self.max_seqs = max_seqs
-        self.input_ids = torch.zeros(max_seqs, **long)
+        if stage_input is None:
+            self.input_ids = torch.zeros(max_seqs, **long)
+        else:
+            self.input_ids = torch.zeros((max_seqs, stage_input.width), dtype=stage_input.dtype, device=device)
         self.positions = torch.zeros(max_seqs, **long)
         self.slot_mapping = torch.full((max_seqs,), -1, **long)
         self.block_table = torch.zeros((max_seqs, max(1, max_blocks_per_seq)), **i32)
@@ -185,7 +190,7 @@ class ForwardRunner:
         self.decode_buffers: Optional[DecodeBuffers] = None
         if mode.has_full and self.buckets.full:
             max_blocks = -(-builder.max_model_len // builder.block_size)
-            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device)
+            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device, builder.stage_input)
         self.full_graphs: Optional[FullGraphs] = None
         self.piecewise_graphs: Optional[PiecewiseGraphs] = None
         self.dispatch_counts: Counter[tuple[Path, int]] = Counter()  # (path, padded size) -> batches
