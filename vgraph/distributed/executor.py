@@ -124,8 +124,7 @@ class MultiprocExecutor:
         self.compile_cache = None  # lives in the workers: one entry per rank
         self.compile_cache_folders = [info.compile_cache_folder for info in infos]
         par = config.parallel
-        logger.info("%d ranks: tensor parallel %d x pipeline parallel %d (pids %s), %s backend, %d torch threads "
-                    "each", self.world_size, par.tensor_parallel_size, par.pipeline_parallel_size,
+        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", _kind(par), self.world_size,
                     ", ".join(map(str, self.pids)), par.distributed_backend, threads_per_rank(self.world_size))
 
     def _spawn(self, config: EngineConfig) -> list[_Worker]:
@@ -296,6 +295,16 @@ def _died(worker: _Worker) -> WorkerFailed:
         how = f"signal {signal.Signals(-code).name}"
     return WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
                                      f"{worker.place}; the engine stopped every rank")
+
+
+def _kind(par: Any) -> str:
+    """The parallelism, as the startup line names it."""
+    t, p = par.tensor_parallel_size, par.pipeline_parallel_size
+    if p == 1:
+        return "tensor parallelism"
+    if t == 1:
+        return f"pipeline parallelism ({p} stages)"
+    return f"tensor x pipeline parallelism ({t} ranks x {p} stages)"
 
 
 def _place(config: EngineConfig, rank: int) -> str:
