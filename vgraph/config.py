@@ -227,6 +227,9 @@ class CacheConfig:
 # activations of 8192 rows alone are 46 MB), and no slower at any size measured down to 256.
 GPU_STEP_TOKENS = 8192
 CPU_STEP_TOKENS = 512
+# Overlapped scheduling in one CPU process: the model runs on a worker thread with one core
+# fewer for its kernels (perf/suites/host_overhead.py measures both; see SchedulerConfig).
+CPU_ASYNC_SCHEDULING = False
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(default=True, metadata=cli(
         "split long prompts over several steps", negative="--no-chunked-prefill",
         aliases=["--no-enable-chunked-prefill"], positive="--enable-chunked-prefill"))
+    # None: decided for the device (see ``resolved``).
+    async_scheduling: Optional[bool] = field(default=None, metadata=cli(
+        "overlapped scheduling: the engine schedules step N+1 and builds its inputs while step N runs, "
+        "then reads step N's tokens (same tokens as without; default: on for CUDA and for CPU tensor "
+        "parallelism, off for one CPU process)"))
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -246,15 +254,19 @@ class SchedulerConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
 
-    def resolved(self, device_type: str, max_model_len: int) -> "SchedulerConfig":
+    def resolved(self, device_type: str, max_model_len: int, world_size: int = 1) -> "SchedulerConfig":
         """The token budget decided for the device; without chunked prefill it must also
-        take the longest prompt in one step."""
+        take the longest prompt in one step. Overlapped scheduling, unless set: on where the
+        model runs apart from the engine's thread (a GPU, worker processes)."""
+        overlap = self.async_scheduling
+        if overlap is None:
+            overlap = device_type != "cpu" or world_size > 1 or CPU_ASYNC_SCHEDULING
         if self.max_num_batched_tokens is not None:
-            return self
+            return replace(self, async_scheduling=overlap)
         tokens = CPU_STEP_TOKENS if device_type == "cpu" else GPU_STEP_TOKENS
         if not self.enable_chunked_prefill:
             tokens = max(tokens, max_model_len)
-        return replace(self, max_num_batched_tokens=tokens)
+        return replace(self, max_num_batched_tokens=tokens, async_scheduling=overlap)
 
 
 # Dynamo specializes a dynamic dim on sizes 0 and 1, so the compiled forward serves two rows
@@ -481,7 +493,8 @@ class EngineConfig:
                                  cudagraph_capture_sizes=None if c.cudagraph_capture_sizes is None
                                  else list(c.cudagraph_capture_sizes))
         return replace(self, device=device, compile=compile_config,
-                       cache=self.cache.resolved(kind), scheduler=self.scheduler.resolved(kind, wanted),
+                       cache=self.cache.resolved(kind),
+                       scheduler=self.scheduler.resolved(kind, wanted, self.parallel.world_size),
                        parallel=self.parallel.resolved(kind),
                        model=replace(self.model, model=str(model_path), max_model_len=wanted))
 
@@ -489,6 +502,7 @@ class EngineConfig:
     def is_resolved(self) -> bool:
         return (self.device != "auto" and self.model.max_model_len is not None
                 and self.cache.block_size is not None and self.scheduler.max_num_batched_tokens is not None
+                and self.scheduler.async_scheduling is not None
                 and self.compile.custom_ops is not None and self.compile.cudagraph_mode is not None
                 and self.parallel.distributed_backend is not None)
 

@@ -59,6 +59,9 @@ class Request:
     grammar: Optional[GrammarState] = None
     # The LoRA adapter this sequence runs with (None: the base model).
     lora_request: Optional[LoRARequest] = None
+    # Tokens scheduled to be sampled whose ids are not known yet (a step in flight): a step
+    # scheduled ahead feeds them from the runner's own copy (overlapped scheduling).
+    num_pending_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_logprobs is not None and not self.prompt_logprobs:

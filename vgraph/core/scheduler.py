@@ -10,6 +10,14 @@ With LoRA, the running requests use at most ``max_loras`` different adapters (th
 slots): a waiting request whose adapter would be one too many waits, and those behind it that
 fit are admitted past it (in their order).
 
+Overlapped scheduling: ``schedule`` advances ``num_computed_tokens`` at once, so the engine
+may schedule step N+1 before step N's tokens are known. A token scheduled but not yet sampled is
+*pending*: with ``schedule_ahead`` a running request's next decode is scheduled anyway (the
+runner feeds it the token it sampled itself); without it (pipeline stages, whose first stage
+never samples), or for a request whose next step needs that token on the host (a grammar's
+mask), the request waits for ``update``. Results of a request preempted or finished meanwhile
+are handled as if ``update`` had come first, so the tokens equal the serial loop's.
+
 When a running request cannot get a block, the newest running request is preempted by
 recompute: its blocks are freed and it returns to the front of the waiting queue, to re-run its
 prompt and the tokens it already generated as a prefill. Newest-first keeps the oldest
@@ -23,7 +31,7 @@ from typing import Iterable, Optional
 
 from ..config import CacheConfig, SchedulerConfig
 from .block_pool import BlockPool
-from .kv_cache_manager import KVCacheManager, token_slice
+from .kv_cache_manager import KVCacheManager
 from .outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
 from .request import Request, RequestStatus
 from .step_plan import StepPlan, StepPlanner
@@ -35,8 +43,8 @@ class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens from ``start_position`` on.
 
     The tokens are ``request.all_token_ids[start_position:start_position + num_new_tokens]`` at
-    positions ``start_position..``; ``start_position`` equals ``request.num_computed_tokens``
-    until ``Scheduler.update`` advances it.
+    positions ``start_position..`` (the last one may still be pending: the runner has it);
+    ``start_position`` is ``request.num_computed_tokens`` when scheduled.
     """
 
     request: Request
@@ -48,14 +56,15 @@ class ScheduledRequest:
     produces_token: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.start_position = self.request.num_computed_tokens
-        self.produces_token = (self.start_position + self.num_new_tokens == self.request.num_tokens
-                               and not self.request.prefill_only)
+        request = self.request
+        self.start_position = request.num_computed_tokens
+        self.produces_token = (self.start_position + self.num_new_tokens
+                               == request.num_tokens + request.num_pending_tokens and not request.prefill_only)
 
     @property
-    def token_ids(self) -> list[int]:
-        """The token ids to compute this step (a fresh list)."""
-        return token_slice(self.request, self.start_position, self.start_position + self.num_new_tokens)
+    def end_position(self) -> int:
+        """Tokens whose K/V the cache holds once this chunk has run."""
+        return self.start_position + self.num_new_tokens
 
 
 @dataclass
@@ -82,7 +91,8 @@ class Scheduler:
     """Decides each step's batch and folds the sampled tokens back into the requests."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, max_model_len: int, max_loras: Optional[int] = None) -> None:
+                 num_blocks: int, max_model_len: int, max_loras: Optional[int] = None,
+                 schedule_ahead: bool = False) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -97,6 +107,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.planner = StepPlanner()  # what the runner has been told, for each step's plan
         self.max_loras = max_loras  # different adapters the running requests may use (None: no LoRA)
+        # A decode whose input token is still pending may be scheduled (the runner feeds it).
+        self.schedule_ahead = schedule_ahead
 
     # -- queue management -------------------------------------------------------------------
 
@@ -149,25 +161,44 @@ class Scheduler:
     # -- scheduling -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Builds the next batch; ``num_computed_tokens`` is advanced later, by ``update``."""
+        """Builds the next batch and advances each scheduled request past it (its sampled
+        token, if any, pending until ``update``)."""
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         if not output.preempted:
             self._schedule_waiting(output, budget)
-        return replace(output, plan=self.planner.plan(output.scheduled))
+        plan = self.planner.plan(output.scheduled)
+        for item in output.scheduled:
+            item.request.num_computed_tokens = item.end_position
+            item.request.num_pending_tokens += item.produces_token
+        return replace(output, plan=plan)
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         """Schedules running requests in order, preempting the newest when blocks run out."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, output):
-                break
-            output.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            num_new = min(self._num_schedulable(request), budget)
+            if num_new > 0:
+                if not self._allocate_or_preempt(request, num_new, output):
+                    break
+                output.scheduled.append(ScheduledRequest(request, num_new))
+                budget -= num_new
             index += 1
         return budget
+
+    def _num_schedulable(self, request: Request) -> int:
+        """Tokens of ``request`` that may run now: none while its pending token is needed on
+        the host first, or would be one past its last (it ends when that token arrives)."""
+        pending = request.num_pending_tokens
+        if pending and not (self.schedule_ahead and request.grammar is None):
+            return 0
+        num_tokens = request.num_tokens + pending
+        max_tokens = request.sampling_params.max_tokens
+        if pending and (num_tokens >= self.max_seq_len or (
+                max_tokens is not None and len(request.output_token_ids) + pending >= max_tokens)):
+            return 0
+        return num_tokens - request.num_computed_tokens
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Preempts from the back of ``running`` until ``request`` fits; False if it went itself.
@@ -199,6 +230,8 @@ class Scheduler:
         adapters = set() if self.max_loras is None else {r.lora_id for r in self.running if r.lora_id is not None}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:  # preempted while a step ran: back once its token is known
+                break
             if not self._adapter_fits(request, adapters):
                 passed.append(self.waiting.popleft())
                 continue
@@ -249,31 +282,35 @@ class Scheduler:
         """Applies a step's results; returns the requests that got a token (finished included)
         and the prefill-only requests that finished their prompt (status "length").
 
-        Requests aborted between ``schedule`` and ``update`` are skipped: their blocks are
-        already gone and their tokens are no longer wanted.
+        Requests finished (or aborted) since ``schedule`` are skipped: their blocks are gone
+        and their tokens are no longer wanted. A request preempted since (a later step was
+        scheduled first) still takes its results, as it would have before that step.
         """
         new_token_requests: list[Request] = []
         any_finished = False
         for scheduled in output.scheduled:
             request = scheduled.request
-            if request.status is not RequestStatus.RUNNING:
+            if request.status.finished:
                 continue
             self._apply_prompt_results(request, result.prompt_logprobs, result.pooled)
-            request.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.produces_token:
+                request.num_pending_tokens -= 1
                 self._append_token(request, result.sampled[request.request_id], result.logprobs)
                 new_token_requests.append(request)
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if request.status is RequestStatus.RUNNING:
+                self.kv_cache_manager.cache_blocks(request, scheduled.end_position)
             if scheduled.produces_token and self._check_stop(request):
                 self._release(request)
                 any_finished = True
-            elif request.prefill_only and request.num_computed_tokens >= request.num_prompt_tokens:
+            elif request.prefill_only and scheduled.end_position >= request.num_prompt_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH
                 new_token_requests.append(request)
                 self._release(request)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
+            if any(r.status.finished for r in self.waiting):
+                self.waiting = deque(r for r in self.waiting if not r.status.finished)
         return new_token_requests
 
     @staticmethod

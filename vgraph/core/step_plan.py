@@ -45,7 +45,12 @@ class PlannedChunk:
     num_new_tokens: int
     start_position: int
     produces_token: bool  # the chunk reaches the last known token: the runner samples the next
+    # The request's output tokens from index ``output_from`` on, as far as the scheduler knows
+    # them. The runner appends each token it samples at once (a step scheduled before the
+    # previous one's tokens are known reads it there); these confirm it, or bring the tokens a
+    # rank that samples nothing (an earlier pipeline stage) has not seen.
     new_output_tokens: list[int] = field(default_factory=list)
+    output_from: int = 0
     blocks_from: int = 0  # the runner keeps block_ids[:blocks_from] and appends new_blocks
     new_blocks: list[int] = field(default_factory=list)
     # Prompt tokens whose logprobs are already scored (a recompute after preemption skips them).
@@ -108,8 +113,8 @@ class StepPlanner:
             seen = self._seen[req.request_id] = _Seen()
         keep = seen.num_blocks if req.num_preemptions == seen.num_preemptions else 0
         chunk = PlannedChunk(req.request_id, item.num_new_tokens, item.start_position, item.produces_token,
-                             req.output_token_ids[seen.num_output_tokens:], keep, req.block_ids[keep:],
-                             len(req.prompt_logprobs))
+                             req.output_token_ids[seen.num_output_tokens:], seen.num_output_tokens, keep,
+                             req.block_ids[keep:], len(req.prompt_logprobs))
         seen.num_output_tokens, seen.num_blocks = len(req.output_token_ids), len(req.block_ids)
         seen.num_preemptions = req.num_preemptions
         return chunk

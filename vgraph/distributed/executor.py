@@ -236,10 +236,10 @@ class MultiprocExecutor:
         for w in self._workers:
             w.conn.send(command)
 
-    def _guarded(self, call: Any, *args: Any) -> Any:
-        """``call(*args)``, a broken pipe or a failed rank turned into the executor's failure."""
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; a rank that died or failed meanwhile stops them all and is named."""
         try:
-            return call(*args)
+            return fn(*args)
         except WorkerFailed as failure:
             self._fail(failure)
             raise

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -92,8 +93,18 @@ class LLMEngine:
         self.grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
                                                 sorted(self.eos_token_ids))
         lora = self.config.lora
+        overlap = self.config.scheduler.async_scheduling
+        stages = self.config.parallel.pipeline_parallel_size
+        # Pipeline stages: a first stage never samples, so a request waits for its token (no
+        # schedule-ahead) and the P steps in flight hold disjoint decodes, one per stage.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
-                                   self.max_model_len, lora.max_loras if lora.enable_lora else None)
+                                   self.max_model_len, lora.max_loras if lora.enable_lora else None,
+                                   schedule_ahead=overlap and stages == 1)
+        # Steps submitted to the runner and not yet collected, with the groups each scheduled
+        # first; overlapped scheduling keeps one more in flight than the serial loop, pipeline
+        # parallelism one per stage.
+        self._in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
+        self._max_in_flight = stages if stages > 1 else (2 if overlap else 1)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, its index)
         ready = time.perf_counter() - start
@@ -220,7 +231,8 @@ class LLMEngine:
         return finished
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a step in flight whose result is still to be collected."""
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def _forget(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -232,15 +244,17 @@ class LLMEngine:
     def step(self) -> EngineStep:
         """Schedules, runs the model once, and returns what each request that advanced gained
         (``OutputDelta``s), the timings of requests something happened to, and the engine's
-        state after the step."""
-        sched = self.scheduler.schedule()
-        if not sched.scheduled:
+        state after the step.
+
+        Overlapped: the next step is scheduled and submitted before this one's tokens are
+        read, so the runner computes it while this thread folds in the results."""
+        self._submit_steps()
+        if not self._in_flight:
             return EngineStep([], [], self.stats())
-        first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
-        # Structured outputs' masks of the sampled rows: the grammars live here, with the scheduler.
-        masks = fill_masks([s.request.grammar for s in sched.samples], self.vocab_size)
-        result = self.runner.execute(sched.plan, masks)
+        sched, first_scheduled = self._in_flight.popleft()
+        result = self.runner.collect()
         advanced = self.scheduler.update(sched, result)
+        first_scheduled = {gid for gid in first_scheduled if gid in self._groups}  # not aborted since
         token_time = time.monotonic()
         deltas: dict[str, OutputDelta] = {}
         new_tokens: dict[str, int] = {}  # request id -> tokens this step, over its sequences
@@ -261,6 +275,19 @@ class LLMEngine:
             if group.finished:
                 self._forget(group.request_id)
         return EngineStep(list(deltas.values()), timings, self.stats())
+
+    def _submit_steps(self) -> None:
+        """Schedules and submits steps until as many are in flight as the loop keeps."""
+        while len(self._in_flight) < self._max_in_flight:
+            sched = self.scheduler.schedule()
+            if not sched.scheduled:
+                return
+            first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
+            # Structured outputs' masks of the sampled rows: the grammars live here, with the
+            # scheduler (a constrained request waits for its previous token: its mask is exact).
+            masks = fill_masks([s.request.grammar for s in sched.samples], self.vocab_size)
+            self.runner.submit(sched.plan, masks)
+            self._in_flight.append((sched, first_scheduled))
 
     @staticmethod
     def _add_to_delta(delta: OutputDelta, index: int, req: Request) -> int:
@@ -324,10 +351,9 @@ class LLMEngine:
             finish_reasons=group.finish_reasons if finished else [])
 
     def close(self) -> None:
-        """Stops the tensor-parallel workers, if any (idempotent; they also stop at interpreter
-        exit). A single-process engine holds nothing that needs stopping."""
-        if isinstance(self.runner, MultiprocExecutor):
-            self.runner.close()
+        """Stops the runner's step thread or the tensor-parallel workers (idempotent; workers
+        also stop at interpreter exit)."""
+        self.runner.close()
 
     def stats(self) -> EngineStats:
         """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""
@@ -343,7 +369,7 @@ def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | Multipr
     size) the executor of that many worker processes (vgraph/distributed/executor.py), after checking that the model
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
-        return ModelRunner(config)
+        return ModelRunner(config, threaded=config.scheduler.async_scheduling)
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)

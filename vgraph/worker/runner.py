@@ -43,6 +43,7 @@ from .kv_sizing import (KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scal
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
+from .step_queue import StepQueue
 from .runner_requests import RunnerRequests, RunnerStep
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
@@ -64,11 +65,17 @@ _WARM_UP_TOKENS = 16
 class ModelRunner:
     """Owns the model, the KV caches and the compiled forward; runs forward + sampler."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, threaded: bool = False) -> None:
+        """``threaded``: steps run on a worker thread of their own (``submit`` returns at once),
+        so the engine's thread schedules the next step meanwhile; on CPU the kernels then use
+        one core fewer, which the engine's thread works on."""
         if not config.is_resolved:
             raise ValueError("ModelRunner takes a resolved EngineConfig (EngineConfig.resolved)")
         self.config = config
         self.device = config.torch_device
+        self.steps = StepQueue(threaded, self.device)
+        if threaded and self.device.type == "cpu":
+            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
@@ -235,19 +242,36 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """One step of the scheduler's plan. ``grammar_masks``: the structured-output masks of
-        the sampled rows, in batch order (the engine owns the grammars and fills them)."""
-        return self._step(self.graphs, self.requests.apply(plan), grammar_masks, live=True)
+        the sampled rows, in batch order (the engine owns the grammars and fills them). Each
+        sampled token joins the runner's copy of its request at once: a step scheduled before
+        the scheduler heard of it reads it there."""
+        step = self.requests.apply(plan)
+        result = self._step(self.graphs, step, grammar_masks, live=True)
+        RunnerRequests.append_sampled(step, result.sampled)
+        return result
+
+    def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
+        """Starts a step (on the worker thread when threaded); ``collect`` returns its result."""
+        self.steps.submit(self.execute, plan, grammar_masks)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's result (waits for it)."""
+        return self.steps.collect()
 
     def add_lora(self, request: "LoRARequest") -> None:
         """Reads and checks an adapter into the host cache (raises ``LoRAAdapterError`` naming
         the file and field when it cannot be served), so a step never meets a bad one."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled for this engine (enable_lora=True, --enable-lora)")
-        self.lora.add_adapter(request)
+        self.steps.call(self.lora.add_adapter, request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drops an adapter from its slot and the host cache; False if it was not loaded."""
-        return self.lora is not None and self.lora.remove_adapter(lora_int_id)
+        return self.lora is not None and self.steps.call(self.lora.remove_adapter, lora_int_id)
+
+    def close(self) -> None:
+        """Stops the worker thread (after the steps it has)."""
+        self.steps.close()
 
     def _set_lora_slots(self, step: RunnerStep) -> None:
         """Each row's adapter slot for the next forward, loading into slots what the step needs

@@ -80,7 +80,11 @@ class RunnerStep:
 
 
 class RunnerRequests:
-    """Every request the scheduler has planned and not yet finished, by id."""
+    """Every request the scheduler has planned and not yet finished, by id.
+
+    Each sampled token is appended here at once (``append_sampled``), before the scheduler
+    hears of it: a step scheduled ahead (overlapped scheduling) takes its input from here.
+    """
 
     def __init__(self) -> None:
         self.requests: dict[str, RunnerRequest] = {}
@@ -94,10 +98,22 @@ class RunnerRequests:
 
     def _advance(self, c: PlannedChunk) -> RunnerChunk:
         req = self.requests[c.request_id]
-        req.output_token_ids.extend(c.new_output_tokens)
+        end = c.output_from + len(c.new_output_tokens)
+        if c.output_from > len(req.output_token_ids):
+            raise RuntimeError(f"request {c.request_id}: the runner's copy lacks output tokens "
+                               f"{len(req.output_token_ids)}..{c.output_from - 1}")
+        req.output_token_ids[c.output_from:end] = c.new_output_tokens  # its own samples beyond stay
         del req.block_ids[c.blocks_from:]
         req.block_ids.extend(c.new_blocks)
         if c.start_position + c.num_new_tokens > req.num_tokens:
             raise RuntimeError(f"request {c.request_id}: the runner's copy is out of step with the scheduler's "
                                f"({req.num_tokens} tokens, chunk {c.start_position}+{c.num_new_tokens})")
         return RunnerChunk(req, c.num_new_tokens, c.start_position, c.produces_token, c.num_prompt_logprobs_done)
+
+    @staticmethod
+    def append_sampled(step: RunnerStep, sampled: dict[str, int]) -> None:
+        """The step's sampled tokens (by request id), each onto its request."""
+        for chunk in step.chunks:
+            if chunk.produces_token:
+                request = chunk.request
+                request.output_token_ids.append(sampled[request.request_id])
