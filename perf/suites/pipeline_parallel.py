@@ -89,8 +89,8 @@ def run(device: str, quick: bool = False) -> dict:
 
 
 def _max_in_flight(engine: Any) -> int:
-    """Steps the engine keeps in flight (1 where its loop has no such setting)."""
-    return int(getattr(engine, "max_in_flight", 1))
+    """Steps the engine keeps in flight (read for the record; 1 where its loop has none)."""
+    return int(getattr(engine, "_max_in_flight", 1))
 
 
 def _result(device: str, w: dict, builds: dict, runs: dict, load_before: Any, git: Any, in_flight: int) -> dict:

@@ -91,6 +91,29 @@ def test_greedy_tokens_equal_one_rank_and_transformers_with_prefix_caching(stage
     assert llm.engine.scheduler.kv_manager.pool.num_free_blocks == llm.engine.runner.num_blocks
 
 
+def test_stages_run_steps_in_flight(staged, monkeypatch):
+    """The engine keeps one step per stage in flight (stage 0 runs step N + 1 while stage 1 runs
+    step N); a command sent meanwhile (the compile counters) reads the steps' replies first and
+    keeps them for ``collect``, so every step's tokens still arrive, in order."""
+    (name, tp, pp, mode), llm = staged
+    if (tp, pp, mode) != (1, 2, "eager"):
+        pytest.skip("one configuration covers the executor's bookkeeping")
+    runner = llm.engine.runner
+    submit, seen = runner.submit, []
+
+    def submit_and_count(plan, masks=None):
+        submit(plan, masks)
+        seen.append(runner.num_in_flight)
+        if runner.num_in_flight == 2 and seen.count(2) == 1:
+            assert len(runner.collect_compile_counters()) == 2  # between two steps in flight
+
+    monkeypatch.setattr(runner, "submit", submit_and_count)
+    prompts = random_prompts([40, 3, 70, 9, 120, 17, 33, 5], llm.engine.vocab_size, seed=17)
+    got = _tokens(_generate(llm, prompts))
+    assert max(seen) == 2, f"steps in flight per submit: {seen}"
+    assert got == _tokens(_generate(_one_rank(name), prompts))
+
+
 def test_each_stage_compiles_its_layers_and_never_recompiles(staged):
     (name, tp, pp, mode), llm = staged
     if mode != "compiled":

@@ -261,17 +261,27 @@ class MultiprocExecutor:
                     raise _died(sentinels[ready])
         return replies
 
-    @staticmethod
-    def _receive(worker: _Worker) -> Any:
+    def _receive(self, worker: _Worker) -> Any:
         try:
             status, payload = worker.conn.recv()
         except (EOFError, OSError):
             worker.process.join(_GRACE_S)
             raise _died(worker) from None
         if status == "error":
+            dead = self._dead_without_word(worker)
+            if dead is not None:  # the cause: a neighbouring stage's send/recv failed because it is gone
+                raise _died(dead)
             raise WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}){worker.place} "
                                             f"failed; the engine stopped every rank.\n{payload}")
         return payload
+
+    def _dead_without_word(self, reporter: _Worker) -> Optional[_Worker]:
+        """Another worker killed by a signal (it could not say why), if any: a worker that fails
+        by itself reports, then exits with code 1."""
+        for w in self._workers:
+            if w is not reporter and not w.process.is_alive() and (w.process.exitcode or 0) < 0:
+                return w
+        return None
 
     def _find_dead(self) -> Optional[WorkerFailed]:
         for w in self._workers:

@@ -99,7 +99,7 @@ class LLMEngine:
         # schedule-ahead) and the P steps in flight hold disjoint decodes, one per stage.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len, lora.max_loras if lora.enable_lora else None,
-                                   schedule_ahead=overlap and stages == 1)
+                                   schedule_ahead=overlap and stages == 1, microbatches=stages)
         # Steps submitted to the runner and not yet collected, with the groups each scheduled
         # first; overlapped scheduling keeps one more in flight than the serial loop, pipeline
         # parallelism one per stage.

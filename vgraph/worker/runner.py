@@ -247,7 +247,8 @@ class ModelRunner:
         the scheduler heard of it reads it there."""
         step = self.requests.apply(plan)
         result = self._step(self.graphs, step, grammar_masks, live=True)
-        RunnerRequests.append_sampled(step, result.sampled)
+        if self.stage.is_last:  # an earlier pipeline stage samples nothing: the plan brings the tokens
+            RunnerRequests.append_sampled(step, result.sampled)
         return result
 
     def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
