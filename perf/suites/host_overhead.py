@@ -19,7 +19,15 @@ steps (``LLM.step``: the engine's step and the output processor's share):
 
 Host overhead = step wall time - forward - sampler. Every batch size runs the same number of
 decode steps after its prefill; medians over the steps. Greedy, ``ignore_eos``, prompts of
-16 tokens, the default (compiled) mode at the default thread count.
+16 tokens, the default (compiled) mode at the default thread count, the serial loop
+(``async_scheduling=False``: in the overlapped one the phases run beside the forward).
+
+Then the overlap (``overlap`` rows): decode steps of the serial and the overlapped loop, timed
+in turns at each batch size, once on the CPU as it is (its forward computes on the engine's
+thread at launch: nothing overlaps, and this decides the CPU default) and once on an emulated
+device (vgraph/testing/emulated_device.py: each launched step also occupies a device queue for
+``DEVICE_MS``, and reading its ids waits for it, as on a GPU), where the serial step costs
+about device + host and the overlapped one about max(device, host).
 """
 from __future__ import annotations
 
@@ -34,6 +42,8 @@ PROMPT_LEN = 16
 HOST_PHASES = ("schedule", "runner_requests", "batch_build", "grammar_masks", "sampling_metadata", "scheduler_update",
                "output_processing", "sampling_sync_and_rest")
 TARGET_MS = {1: 0.3, 256: 3.0}  # issue 33's targets for host time per step on this CPU
+OVERLAP_SIZES = (1, 32, 256)
+DEVICE_MS = 3.0  # the emulated device's time per forward
 
 
 @contextlib.contextmanager
@@ -100,22 +110,63 @@ def measure(llm: Any, size: int, steps: int) -> dict[str, float]:
     return {phase: statistics.median(values) for phase, values in samples.items()}
 
 
+def decode_ms(llm: Any, size: int, steps: int) -> float:
+    """Wall milliseconds per decode step of ``size`` sequences (median over ``steps``)."""
+    from vgraph import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 6, ignore_eos=True)
+    for i in range(size):
+        llm.add_request(f"o{size}-{i}-{time.monotonic_ns()}", [10 + (i * 7 + j) % 3000 for j in range(PROMPT_LEN)],
+                        params)
+    for _ in range(3):
+        llm.step()  # prefill and the first decodes
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.step()
+        times.append(time.perf_counter() - start)
+    while llm.has_unfinished_requests():
+        llm.step()
+    return statistics.median(times) * 1e3
+
+
+def measure_overlap(engines: dict[str, Any], sizes: tuple[int, ...], steps: int, rounds: int) -> list[dict]:
+    """Serial and overlapped, in turns, on the CPU as it is and on the emulated device."""
+    from vgraph.testing.emulated_device import emulated_device
+    rows = []
+    for size in sizes:
+        for device_ms in (0.0, DEVICE_MS):
+            times: dict[str, list[float]] = defaultdict(list)
+            for _ in range(rounds):
+                for name, llm in engines.items():
+                    with (emulated_device(llm.engine.runner, device_ms / 1e3) if device_ms
+                          else contextlib.nullcontext()):
+                        times[name].append(decode_ms(llm, size, steps))
+            best = {name: min(values) for name, values in times.items()}
+            rows.append({"batch": size, "emulated_device_ms": device_ms, "serial_ms": round(best["serial"], 3),
+                         "overlapped_ms": round(best["overlapped"], 3),
+                         "speedup": round(best["serial"] / best["overlapped"], 3)})
+    return rows
+
+
 def run(device: str, quick: bool = False) -> dict:
     import os
 
     from vgraph import LLM
     sizes = SIZES[:2] if quick else SIZES
     steps = 8 if quick else 30
-    llm = LLM("demo-model-v1", device=device, max_num_seqs=max(sizes), max_model_len=256,
-              cpu_kv_cache_gib=0.5)
+    engines = {name: LLM("demo-model-v1", device=device, max_num_seqs=max(sizes), max_model_len=256,
+                         cpu_kv_cache_gib=0.5, async_scheduling=name == "overlapped")
+               for name in ("serial", "overlapped")}
     rows = []
     for size in sizes:
-        phases = measure(llm, size, steps)
+        phases = measure(engines["serial"], size, steps)
         rows.append({"batch": size, **{k: round(v, 4) for k, v in phases.items()}})
+    overlap = measure_overlap(engines, OVERLAP_SIZES[:2] if quick else OVERLAP_SIZES, steps, 1 if quick else 3)
     return {"suite": "host-overhead", "config": {"device": device, "model": "demo-model-v1 (compiled)",
                                                  "prompt_len": PROMPT_LEN, "decode_steps": steps,
-                                                 "load_average": os.getloadavg(), "targets_ms": TARGET_MS},
-            "rows": rows}
+                                                 "load_average": os.getloadavg(), "targets_ms": TARGET_MS,
+                                                 "emulated_device_ms": DEVICE_MS},
+            "rows": rows, "overlap": overlap}
 
 
 def summarize(result: dict) -> str:
@@ -125,8 +176,16 @@ def summarize(result: dict) -> str:
         lines.append(f"{r['batch']:>5} {r['wall']:6.2f} {r['forward']:8.2f} {r['sampler']:7.2f} {r['host']:6.2f} | "
                      + " ".join(f"{r.get(p, 0.0):10.3f}" for p in HOST_PHASES))
     lines.append(f"(ms per decode step, medians; load average {result['config']['load_average']})")
+    lines.append("batch  device_ms  serial_ms  overlapped_ms  speedup")
+    for r in result.get("overlap", []):
+        lines.append(f"{r['batch']:>5} {r['emulated_device_ms']:10.1f} {r['serial_ms']:10.3f} "
+                     f"{r['overlapped_ms']:14.3f} {r['speedup']:8.3f}")
     return "\n".join(lines)
 
 
 def headline_figures(result: dict) -> dict[str, float]:
-    return {f"host ms/step, batch {r['batch']}": r["host"] for r in result["rows"]}
+    figures = {f"host ms/step, batch {r['batch']}": r["host"] for r in result["rows"]}
+    for r in result.get("overlap", []):
+        where = f"emulated {r['emulated_device_ms']:g} ms device" if r["emulated_device_ms"] else "cpu"
+        figures[f"overlapped/serial speedup, batch {r['batch']}, {where}"] = r["speedup"]
+    return figures

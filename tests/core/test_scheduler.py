@@ -44,22 +44,31 @@ class FakeModel:
         self.slots: list[list[Optional[int]]] = [[None] * BS for _ in range(num_blocks)]
         self.copies = RunnerRequests()  # the runner's side: only the plans reach it, in order
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Runs the step from the scheduler's plain plan alone, as the runner does, and checks
-        that the runner's copies follow the scheduler's requests (preemption included)."""
+    def execute(self, output: SchedulerOutput, ahead: bool = False) -> dict[str, int]:
+        """Runs the step from the scheduler's plain plan alone, as the runner does (its samples
+        join its copies at once), and checks that the runner's copies follow the scheduler's
+        requests (preemption included). ``ahead``: the step was scheduled before the previous
+        step's tokens reached the scheduler, so a copy may hold one token more."""
         step = self.copies.apply(output.plan)
         assert len(step.chunks) == len(output.scheduled)
         for item, chunk in zip(output.scheduled, step.chunks):
             request, copy = item.request, chunk.request
-            assert item.start_position == request.num_computed_tokens == chunk.start_position
-            assert copy.block_ids == request.block_ids and copy.output_token_ids == request.output_token_ids
+            assert item.start_position == chunk.start_position
+            assert item.start_position + item.num_new_tokens == request.num_computed_tokens or ahead
+            known = request.output_token_ids
+            assert copy.output_token_ids[:len(known)] == known
+            assert len(copy.output_token_ids) - len(known) <= (1 if ahead else 0)
             assert chunk.produces_token == item.produces_token
             assert len(copy.block_ids) * BS >= chunk.start_position + chunk.num_new_tokens
             for offset, token in enumerate(chunk.token_ids):
                 position = chunk.start_position + offset
                 self.slots[copy.block_ids[position // BS]][position % BS] = token
-        return {c.request.request_id: self._sample(c.request, c.start_position + c.num_new_tokens)
-                for c in step.chunks if c.produces_token}
+        sampled = {c.request.request_id: self._sample(c.request, c.start_position + c.num_new_tokens)
+                   for c in step.chunks if c.produces_token}
+        for chunk in step.chunks:  # the runner's copy takes its own samples at once
+            if chunk.produces_token:
+                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
+        return sampled
 
     def _sample(self, request: RunnerRequest, length: int) -> int:
         sequence = [self.slots[request.block_ids[p // BS]][p % BS] for p in range(length)]
@@ -100,6 +109,25 @@ def run(scheduler: Scheduler, model: FakeModel, max_steps: int = 10_000,
     return steps
 
 
+def run_overlapped(scheduler: Scheduler, model: FakeModel, max_steps: int = 10_000) -> int:
+    """The engine's overlapped loop: step N+1 is scheduled (and run: the fake model is
+    synchronous, which only makes the check stricter) before step N's results are applied."""
+    in_flight: list[tuple[SchedulerOutput, dict[str, int]]] = []
+    steps = 0
+    while scheduler.has_unfinished_requests() or in_flight:
+        while len(in_flight) < 2:
+            output = scheduler.schedule()
+            if not output.scheduled:
+                break
+            in_flight.append((output, model.execute(output, ahead=True)))
+        if in_flight:
+            output, sampled = in_flight.pop(0)
+            scheduler.update(output, ModelRunnerOutput(sampled))
+        steps += 1
+        assert steps < max_steps, "no progress"
+    return steps
+
+
 def assert_all_free(scheduler: Scheduler) -> None:
     pool = scheduler.block_pool
     assert pool.num_free_blocks == pool.num_blocks
@@ -130,14 +158,16 @@ def random_workload(seed: int, num_requests: int = 12) -> list[tuple[list[int], 
     (16, 64, 64, False, False),    # preemption without chunking or caching
 ])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_outputs_match_reference(num_blocks, budget, max_num_seqs, chunked, caching, seed):
+@pytest.mark.parametrize("overlapped", [False, True], ids=["serial", "overlapped"])
+def test_outputs_match_reference(num_blocks, budget, max_num_seqs, chunked, caching, seed, overlapped):
     scheduler = make_scheduler(num_blocks, budget, max_num_seqs, chunked, caching)
+    scheduler.schedule_ahead = overlapped
     model = FakeModel(num_blocks)
     requests = [make_request(f"r{i}", prompt, max_tokens)
                 for i, (prompt, max_tokens) in enumerate(random_workload(seed))]
     for request in requests:
         scheduler.add_request(request)
-    run(scheduler, model)
+    (run_overlapped if overlapped else run)(scheduler, model)
     if num_blocks < 20:
         assert scheduler.num_preemptions > 0  # the small pools do exercise preemption
     for request in requests:

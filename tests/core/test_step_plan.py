@@ -21,16 +21,25 @@ def _scheduler(num_blocks: int = 16, budget: int = 32) -> Scheduler:
                      CacheConfig(block_size=BS, enable_prefix_caching=False), num_blocks, max_model_len=64)
 
 
-def _step(s: Scheduler, copies: RunnerRequests, token: int = 9):
-    """One step whose plan crosses a pickle (as it does to a rank), every sampled token ``token``."""
+def _step(s: Scheduler, copies: RunnerRequests, token: int = 9, samples: bool = False):
+    """One step whose plan crosses a pickle (as it does to a rank), every sampled token ``token``.
+    ``samples``: the copies take their own samples at once, as a sampling rank's do; without,
+    they stand for a rank that samples nothing (an earlier pipeline stage) and learn the tokens
+    from the plans alone."""
     sched = s.schedule()
     plan = pickle.loads(pickle.dumps(sched.plan))
     step = copies.apply(plan)
     for item, chunk in zip(sched.scheduled, step.chunks, strict=True):
         assert chunk.request.block_ids == item.request.block_ids
         assert chunk.request.output_token_ids == item.request.output_token_ids
-        assert chunk.token_ids == item.token_ids and chunk.produces_token == item.produces_token
-    s.update(sched, ModelRunnerOutput({x.request.request_id: token for x in sched.samples}))
+        assert chunk.token_ids == item.request.all_token_ids[item.start_position:item.end_position]
+        assert chunk.produces_token == item.produces_token
+    sampled = {x.request.request_id: token for x in sched.samples}
+    if samples:
+        for chunk in step.chunks:
+            if chunk.produces_token:
+                chunk.request.output_token_ids.append(sampled[chunk.request.request_id])
+    s.update(sched, ModelRunnerOutput(sampled))
     return sched.plan
 
 
@@ -87,3 +96,14 @@ def test_aborted_before_it_ran_is_never_sent():
     s.add_request(Request("kept", [5, 6, 7], SamplingParams(max_tokens=3)))
     plan = _step(s, copies)
     assert plan.forget == [] and [p.request_id for p in plan.new] == ["kept"]
+
+
+def test_a_sampling_rank_keeps_its_own_tokens_once():
+    """The plan repeats the tokens the scheduler learnt from the step: they land on the copy's
+    own samples (same place, same ids), never after them."""
+    s, copies = _scheduler(), RunnerRequests()
+    s.add_request(Request("a", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True)))
+    tokens = iter([11, 12, 13, 14, 15])
+    while s.has_unfinished_requests():
+        _step(s, copies, next(tokens), samples=True)
+    assert copies.requests["a"].output_token_ids == [11, 12, 13, 14, 15]

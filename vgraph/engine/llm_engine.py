@@ -54,7 +54,10 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return all(r.status.finished for r in self.sequences)
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests: no generator
+            return sequences[0].status.finished
+        return all(r.status.finished for r in sequences)
 
     @property
     def finish_reasons(self) -> list[str]:
@@ -267,10 +270,12 @@ class LLMEngine:
             new_tokens[group_id] = new_tokens.get(group_id, 0) + self._add_to_delta(delta, index, req)
         groups = [self._groups[gid] for gid in deltas]
         for group in groups:
-            self._attach_prompt_logprobs(group, deltas[group.request_id])
+            if not group.prompt_logprobs_sent and group.sequences[0].num_prompt_logprobs is not None:
+                self._attach_prompt_logprobs(group, deltas[group.request_id])
+        ids = dict.fromkeys([*first_scheduled, *new_tokens]) if first_scheduled else new_tokens
         timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
                                 gid in new_tokens)
-                   for gid in dict.fromkeys([*first_scheduled, *new_tokens])]
+                   for gid in ids]
         for group in groups:
             if group.finished:
                 self._forget(group.request_id)
@@ -369,7 +374,7 @@ def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | Multipr
     size) the executor of that many worker processes (vgraph/distributed/executor.py), after checking that the model
     splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
-        return ModelRunner(config, threaded=config.scheduler.async_scheduling)
+        return ModelRunner(config)
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)

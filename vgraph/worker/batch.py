@@ -58,6 +58,8 @@ class FlatBatch:
         (fewer rows) the ``output_rows`` alone, already in ``sample_indices`` order."""
         if self.output_rows is not None and hidden.shape[0] == self.output_rows.shape[0]:
             return hidden
+        if len(self.sampled_requests) == self.num_scheduled == hidden.shape[0]:
+            return hidden  # a decode: every real row is sampled, in order (no gather)
         return hidden[self.sample_indices]
 
 
@@ -73,14 +75,16 @@ class StageInput:
 
 @dataclass
 class _Rows:
-    """A batch on the host, one list entry per sequence."""
+    """A batch on the host as flat lists (one entry per token, or per sequence for ``q_lens``,
+    ``seq_lens`` and ``tables``), turned into arrays once: a decode row is one int in each,
+    never a small array of its own."""
 
-    ids: list[np.ndarray]
-    positions: list[np.ndarray]
-    slots: list[np.ndarray]
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
     q_lens: list[int]
     seq_lens: list[int]
-    tables: list[np.ndarray]
+    tables: list[list[int]]
 
 
 class BatchBuilder:
@@ -101,7 +105,7 @@ class BatchBuilder:
         """Concatenates every scheduled chunk (tokens, positions, cache slots, block table
         rows), pads to ``decision.bucket``, and moves it to the device in one go per tensor."""
         rows, sample_rows, sampled = self._rows(step)
-        num_scheduled = sum(rows.q_lens)
+        num_scheduled = len(rows.ids)
         padding = decision.bucket - num_scheduled
         if padding < 0:
             raise ValueError(f"cannot pad {num_scheduled} tokens down to {decision.bucket}")
@@ -110,12 +114,12 @@ class BatchBuilder:
         else:
             self._pad_rows(rows, padding)
         meta = self._metadata(rows, decision)
-        ids, positions = np.concatenate(rows.ids), np.concatenate(rows.positions)
         sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
         output_rows = sample_indices if self._tail_on_sampled_rows(step, decision, len(sample_rows),
                                                                    num_scheduled) else None
-        return FlatBatch(self._inputs(ids), self._dev(positions), meta, sample_indices, sampled, num_scheduled,
-                         output_rows)
+        return FlatBatch(self._inputs(np.asarray(rows.ids, dtype=np.int64)),
+                         self._dev(np.asarray(rows.positions, dtype=np.int64)), meta, sample_indices, sampled,
+                         num_scheduled, output_rows)
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         """Token ids, or on a later pipeline stage the zeros its received rows go into."""
@@ -137,20 +141,25 @@ class BatchBuilder:
 
     def _rows(self, step: RunnerStep) -> tuple[_Rows, list[int], list[RunnerRequest]]:
         rows = _Rows([], [], [], [], [], [])
-        sample_rows, sampled, offset = [], [], 0
+        sample_rows, sampled = [], []
+        size = self.block_size
         for item in step.chunks:
             req, n, start = item.request, item.num_new_tokens, item.start_position
-            positions = np.arange(start, start + n, dtype=np.int64)
-            blocks = np.asarray(req.block_ids, dtype=np.int64)
-            rows.ids.append(np.asarray(item.token_ids, dtype=np.int64))
-            rows.positions.append(positions)
-            rows.slots.append(blocks[positions // self.block_size] * self.block_size + positions % self.block_size)
+            blocks = req.block_ids
+            end = start + n
+            if n == 1:  # a decode row: plain ints
+                rows.ids.append(req.token_at(start))
+                rows.positions.append(start)
+                rows.slots.append(blocks[start // size] * size + start % size)
+            else:
+                rows.ids.extend(item.token_ids)
+                rows.positions.extend(range(start, end))
+                rows.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             rows.q_lens.append(n)
-            rows.seq_lens.append(start + n)
+            rows.seq_lens.append(end)
             rows.tables.append(blocks)
-            offset += n
             if item.produces_token:
-                sample_rows.append(offset - 1)
+                sample_rows.append(len(rows.ids) - 1)
                 sampled.append(req)
         return rows, sample_rows, sampled
 
@@ -158,27 +167,24 @@ class BatchBuilder:
     def _pad_rows(rows: _Rows, count: int) -> None:
         """``count`` rows that belong to no sequence (past ``query_start_loc[-1]``)."""
         if count:
-            rows.ids.append(np.full(count, PAD_TOKEN_ID, dtype=np.int64))
-            rows.positions.append(np.zeros(count, dtype=np.int64))
-            rows.slots.append(np.full(count, -1, dtype=np.int64))
+            rows.ids.extend([PAD_TOKEN_ID] * count)
+            rows.positions.extend([0] * count)
+            rows.slots.extend([-1] * count)
 
     @staticmethod
     def _pad_sequences(rows: _Rows, count: int) -> None:
         """``count`` empty sequences of one token each, so every row of a FULL batch is a
         decode row (the graph's ``query_start_loc`` is ``0..B``)."""
-        for _ in range(count):
-            rows.ids.append(np.full(1, PAD_TOKEN_ID, dtype=np.int64))
-            rows.positions.append(np.zeros(1, dtype=np.int64))
-            rows.slots.append(np.full(1, -1, dtype=np.int64))
-            rows.q_lens.append(1)
-            rows.seq_lens.append(0)
-            rows.tables.append(np.zeros(0, dtype=np.int64))
+        if count:
+            rows.ids.extend([PAD_TOKEN_ID] * count)
+            rows.positions.extend([0] * count)
+            rows.slots.extend([-1] * count)
+            rows.q_lens.extend([1] * count)
+            rows.seq_lens.extend([0] * count)
+            rows.tables.extend([[]] * count)
 
     def _metadata(self, rows: _Rows, decision: Decision) -> AttentionMetadata:
-        width = max((len(t) for t in rows.tables), default=1) or 1
-        table = np.zeros((len(rows.tables), width), dtype=np.int32)
-        for i, t in enumerate(rows.tables):
-            table[i, :len(t)] = t
+        table = _block_table(rows.tables)
         qsl = np.zeros(len(rows.q_lens) + 1, dtype=np.int32)
         qsl[1:] = np.cumsum(rows.q_lens)
         max_query_len, max_seq_len = max(rows.q_lens, default=0), max(rows.seq_lens, default=0)
@@ -186,7 +192,7 @@ class BatchBuilder:
             # A FULL graph is captured once per bucket and replayed for every context length.
             max_seq_len = self.max_model_len
         return AttentionMetadata(
-            slot_mapping=self._dev(np.concatenate(rows.slots)), block_table=self._dev(table),
+            slot_mapping=self._dev(np.asarray(rows.slots, dtype=np.int64)), block_table=self._dev(table),
             query_start_loc=self._dev(qsl), seq_lens=self._dev(np.asarray(rows.seq_lens, dtype=np.int32)),
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             num_kv_splits=self.kv_splits(len(rows.q_lens), max_query_len, max_seq_len))
@@ -208,3 +214,15 @@ class BatchBuilder:
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """The sequences' block ids as one [B, widest] int32 array, zero-padded: one flat array
+    scattered through a mask, not one small assignment per sequence."""
+    lens = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    width = int(lens.max(initial=0)) or 1
+    table = np.zeros((len(tables), width), dtype=np.int32)
+    flat = [b for t in tables for b in t]
+    if flat:
+        table[np.arange(width) < lens[:, None]] = flat
+    return table

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -43,7 +44,7 @@ from .kv_sizing import (KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scal
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
-from .step_queue import StepQueue
+from .launched import LaunchedStep, pending_inputs
 from .runner_requests import RunnerRequests, RunnerStep
 from .sampler import Sampler, SamplingMetadata
 from .startup import StartupReport
@@ -65,17 +66,13 @@ _WARM_UP_TOKENS = 16
 class ModelRunner:
     """Owns the model, the KV caches and the compiled forward; runs forward + sampler."""
 
-    def __init__(self, config: EngineConfig, threaded: bool = False) -> None:
-        """``threaded``: steps run on a worker thread of their own (``submit`` returns at once),
-        so the engine's thread schedules the next step meanwhile; on CPU the kernels then use
-        one core fewer, which the engine's thread works on."""
+    def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
             raise ValueError("ModelRunner takes a resolved EngineConfig (EngineConfig.resolved)")
         self.config = config
         self.device = config.torch_device
-        self.steps = StepQueue(threaded, self.device)
-        if threaded and self.device.type == "cpu":
-            torch.set_num_threads(max(1, torch.get_num_threads() - 1))
+        # Steps launched and not yet finished (``submit``/``collect``), oldest first.
+        self.launched: deque[LaunchedStep] = deque()
         t0 = time.perf_counter()
         if self.device.type == "cpu":
             build_cpu_kernels()  # first use builds them (~1 s each); logged, cached on disk
@@ -239,40 +236,51 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
-        """One step of the scheduler's plan. ``grammar_masks``: the structured-output masks of
-        the sampled rows, in batch order (the engine owns the grammars and fills them). Each
-        sampled token joins the runner's copy of its request at once: a step scheduled before
-        the scheduler heard of it reads it there."""
-        step = self.requests.apply(plan)
-        result = self._step(self.graphs, step, grammar_masks, live=True)
-        if self.stage.is_last:  # an earlier pipeline stage samples nothing: the plan brings the tokens
-            RunnerRequests.append_sampled(step, result.sampled)
-        return result
+        """One step of the scheduler's plan, start to end. ``grammar_masks``: the structured-
+        output masks of the sampled rows, in batch order (the engine owns the grammars)."""
+        return self.finish(self.launch(plan, grammar_masks))
 
     def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
-        """Starts a step (on the worker thread when threaded); ``collect`` returns its result."""
-        self.steps.submit(self.execute, plan, grammar_masks)
+        """Launches a step; ``collect`` finishes the oldest. Overlapped scheduling submits step
+        N+1 before collecting step N: on a GPU the host then builds and launches N+1 while
+        the device still runs N, and reads N's tokens after."""
+        self.launched.append(self.launch(plan, grammar_masks))
 
     def collect(self) -> ModelRunnerOutput:
-        """The oldest submitted step's result (waits for it)."""
-        return self.steps.collect()
+        """The oldest submitted step's result (waits for its tokens)."""
+        return self.finish(self.launched.popleft())
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> LaunchedStep:
+        """Folds the plan in and enqueues the step's device work up to the sampled ids, without
+        reading them. Each sampled row's request gets a pending token (``launched.PENDING``) at once; a
+        step launched before that one is finished takes it from the device (``pending_inputs``)."""
+        step = self.requests.apply(plan)
+        if not step.chunks:
+            return LaunchedStep(step)
+        return self._launch(self.graphs, step, grammar_masks, record=True)
+
+    @torch.inference_mode()
+    def finish(self, launched: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for a launched step's ids and writes them over its pending tokens."""
+        return launched.finish()
 
     def add_lora(self, request: "LoRARequest") -> None:
         """Reads and checks an adapter into the host cache (raises ``LoRAAdapterError`` naming
         the file and field when it cannot be served), so a step never meets a bad one."""
         if self.lora is None:
             raise ValueError("LoRA is not enabled for this engine (enable_lora=True, --enable-lora)")
-        self.steps.call(self.lora.add_adapter, request)
+        self.lora.add_adapter(request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drops an adapter from its slot and the host cache; False if it was not loaded."""
-        return self.lora is not None and self.steps.call(self.lora.remove_adapter, lora_int_id)
+        return self.lora is not None and self.lora.remove_adapter(lora_int_id)
 
     def close(self) -> None:
-        """Stops the worker thread (after the steps it has)."""
-        self.steps.close()
+        """Nothing runs apart from the caller's thread: finishes what was launched."""
+        while self.launched:
+            self.collect()
 
     def _set_lora_slots(self, step: RunnerStep) -> None:
         """Each row's adapter slot for the next forward, loading into slots what the step needs
@@ -284,36 +292,51 @@ class ModelRunner:
         rows = [slot for slot, chunk in zip(slots, step.chunks) for _ in range(chunk.num_new_tokens)]
         self.model.set_lora_token_slots(torch.tensor(rows, dtype=torch.int32, device=self.device))
 
-    def _step(self, graphs: ForwardRunner, step: RunnerStep, masks: Optional[GrammarMasks] = None,
-              live: bool = False) -> ModelRunnerOutput:
-        """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
-        same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
-        (worker/pooling.py) for the requests that ask. ``live``: a scheduled step, whose
-        activations pass between pipeline stages (a dummy step's stay in its stage)."""
+    def _step(self, graphs: ForwardRunner, step: RunnerStep,
+              masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
+        """A whole step over dummy or real requests (warm-up, profiling, capture)."""
         if not step.chunks:
             return ModelRunnerOutput({}, None)
+        return self._launch(graphs, step, masks, record=False).finish()
+
+    def _launch(self, graphs: ForwardRunner, step: RunnerStep, masks: Optional[GrammarMasks],
+                record: bool) -> LaunchedStep:
+        """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
+        same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
+        (worker/pooling.py) for the requests that ask. A real step (``record``) passes its
+        activations between pipeline stages; a dummy step's stay in its stage."""
         batch, decision = graphs.build(step)
-        if live and not self.stage.is_first:
+        if record and not self.stage.is_first:
             self.link.receive_into(batch.input_ids[:batch.num_scheduled])
+        # Only token ids can be pending (a first stage's); a later stage's inputs came in whole.
+        feed = pending_inputs(step, self.launched, self.device) if record and self.stage.is_first else None
+        if feed is not None:
+            feed.apply(batch.input_ids)
         if self.lora is not None:
             self._set_lora_slots(step)
         rows = graphs.run(batch, decision)
         if not self.stage.is_last:
-            if live:
+            if record:
                 self.link.send(rows)
-            return ModelRunnerOutput({}, None)
+            return LaunchedStep(step, record=record)
         prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits)
         pooled = pooled_chunks(rows, step) or None
         if not batch.sampled_requests:
-            return ModelRunnerOutput({}, None, prompt_logprobs, pooled)
+            return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))
+        if _reads_output_tokens(batch.sampled_requests):
+            for earlier in self.launched:  # penalties count the earlier steps' tokens: read them
+                earlier.finish()
         meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks)
         out = self.sampler(logits, meta)
-        sampled = dict(zip((r.request_id for r in batch.sampled_requests), out.token_ids.tolist()))
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(batch.sampled_requests, out.logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled)
+        return LaunchedStep(step, batch.sampled_requests, out.token_ids, out.logprobs, prompt_logprobs, pooled,
+                            record)
+
+
+def _reads_output_tokens(requests: list) -> bool:
+    """Whether sampling these rows reads their earlier tokens' ids (penalties do)."""
+    return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+               for p in (r.sampling_params for r in requests))
 
 
 def _lora_config(config: EngineConfig) -> Optional["LoRAConfig"]:

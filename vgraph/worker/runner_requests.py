@@ -52,6 +52,11 @@ class RunnerRequest:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_at(self, position: int) -> int:
+        """The token id at ``position`` of prompt + output."""
+        prompt = self.prompt_token_ids
+        return prompt[position] if position < len(prompt) else self.output_token_ids[position - len(prompt)]
+
 
 @dataclass(frozen=True)
 class RunnerChunk:
@@ -82,8 +87,8 @@ class RunnerStep:
 class RunnerRequests:
     """Every request the scheduler has planned and not yet finished, by id.
 
-    Each sampled token is appended here at once (``append_sampled``), before the scheduler
-    hears of it: a step scheduled ahead (overlapped scheduling) takes its input from here.
+    Each sampled token is appended here at launch (worker/launched.py), before the scheduler
+    hears of it: a step scheduled ahead (overlapped scheduling) finds it here.
     """
 
     def __init__(self) -> None:
@@ -109,11 +114,3 @@ class RunnerRequests:
             raise RuntimeError(f"request {c.request_id}: the runner's copy is out of step with the scheduler's "
                                f"({req.num_tokens} tokens, chunk {c.start_position}+{c.num_new_tokens})")
         return RunnerChunk(req, c.num_new_tokens, c.start_position, c.produces_token, c.num_prompt_logprobs_done)
-
-    @staticmethod
-    def append_sampled(step: RunnerStep, sampled: dict[str, int]) -> None:
-        """The step's sampled tokens (by request id), each onto its request."""
-        for chunk in step.chunks:
-            if chunk.produces_token:
-                request = chunk.request
-                request.output_token_ids.append(sampled[request.request_id])

@@ -1,0 +1,132 @@
+"""A step whose device work is enqueued and whose sampled ids are not read yet.
+
+Overlapped scheduling launches step N+1 before it reads step N's ids, so that on a GPU the host
+builds and launches the next step while the device still computes this one. Two things make
+that exact:
+
+- Each sampled row's request gets a ``PENDING`` token in the runner's copy at launch, in the
+  place its id will take; ``finish`` writes the id there. Lengths, positions and block slots
+  are therefore right at once, whatever still waits for the device.
+- A step launched while a request's token is pending feeds that row's input id from the
+  earlier step's sampled tensor on the device (``pending_inputs``): no host round trip.
+
+Sampling that reads earlier ids (penalties) finishes the earlier steps first (runner.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from ..core.outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
+from .runner_requests import RunnerRequest, RunnerStep
+
+PENDING = -1  # a sampled token whose id the host has not read yet (never a vocabulary id)
+
+
+class LaunchedStep:
+    """One step's results as they come off the device: the sampled ids (a device tensor, its
+    copy to the host started at launch on CUDA), the logprobs, prompt logprobs and pooled
+    states (read on the host already, when asked: those requests pay the wait)."""
+
+    def __init__(self, step: RunnerStep, sampled_requests: Iterable[RunnerRequest] = (),
+                 token_ids: Optional[torch.Tensor] = None,
+                 logprobs: Optional[list[Optional[dict[int, float]]]] = None,
+                 prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None,
+                 pooled: Optional[dict[str, PooledChunk]] = None, record: bool = True) -> None:
+        """``record``: the rows' requests are the runner's copies, which take pending tokens
+        (not so for the dummy requests of warm-up, profiling and capture)."""
+        self.step = step
+        self.requests = list(sampled_requests)
+        self.token_ids = token_ids
+        self._logprobs = logprobs
+        self._prompt_logprobs = prompt_logprobs
+        self._pooled = pooled
+        # Where each row's id goes in its request's output, behind a PENDING placeholder.
+        self._slots = [len(r.output_token_ids) for r in self.requests] if record else None
+        for request in self.requests if record else ():
+            request.output_token_ids.append(PENDING)
+        self._host_ids, self._ready = _start_copy(token_ids)
+        self._result: Optional[ModelRunnerOutput] = None
+
+    @property
+    def finished(self) -> bool:
+        return self._result is not None
+
+    def row_of(self) -> dict[str, int]:
+        """Request id -> its row of ``token_ids``."""
+        return {r.request_id: i for i, r in enumerate(self.requests)}
+
+    def finish(self) -> ModelRunnerOutput:
+        """Waits for the ids (once) and writes them over the placeholders."""
+        if self._result is None:
+            self._result = self._read()
+        return self._result
+
+    def _read(self) -> ModelRunnerOutput:
+        if not self.requests:
+            return ModelRunnerOutput({}, None, self._prompt_logprobs, self._pooled)
+        if self._ready is not None:
+            self._ready.synchronize()
+        ids = self._host_ids.tolist()
+        for request, slot, token_id in zip(self.requests, self._slots or (), ids):
+            request.output_token_ids[slot] = token_id
+        sampled = {r.request_id: t for r, t in zip(self.requests, ids)}
+        logprobs = None
+        if self._logprobs is not None:
+            logprobs = {r.request_id: lp for r, lp in zip(self.requests, self._logprobs) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs, self._pooled)
+
+
+def _start_copy(token_ids: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.cuda.Event]]:
+    """The ids' host copy and the event it completes with: on CUDA an asynchronous copy into
+    pinned memory, so reading them later waits for this step only; elsewhere the tensor itself."""
+    if token_ids is None or token_ids.device.type != "cuda":
+        return token_ids, None
+    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+    host.copy_(token_ids, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+@dataclass(frozen=True)
+class PendingInputs:
+    """Rows of a new batch whose input id is a token still pending on the device."""
+
+    rows: torch.Tensor  # [P] rows of the new batch's input_ids
+    sources: list[tuple[torch.Tensor, torch.Tensor]]  # (earlier step's sampled ids, [P_i] rows of it)
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Writes the pending ids into ``input_ids`` on the device (after the build's copy)."""
+        input_ids[self.rows] = torch.cat([ids[index] for ids, index in self.sources])
+
+
+def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: torch.device) -> Optional[PendingInputs]:
+    """The rows of ``step`` whose input is a pending token of an unfinished launched step, or
+    None (the serial loop: every token is known when a step is built)."""
+    wanted: dict[str, int] = {}  # request id -> row of the new batch
+    offset = 0
+    for chunk in step.chunks:
+        out = chunk.request.output_token_ids
+        if out and out[-1] == PENDING:
+            position = chunk.request.num_tokens - 1
+            if not chunk.start_position <= position < chunk.start_position + chunk.num_new_tokens:
+                raise RuntimeError(f"request {chunk.request.request_id}: its pending token (position {position}) "
+                                   f"is outside its chunk ({chunk.start_position}+{chunk.num_new_tokens})")
+            wanted[chunk.request.request_id] = offset + position - chunk.start_position
+        offset += chunk.num_new_tokens
+    if not wanted:
+        return None
+    rows, sources = [], []
+    for earlier in launched:
+        if earlier.finished or earlier.token_ids is None:
+            continue
+        found = [(row, wanted.pop(rid)) for rid, row in earlier.row_of().items() if rid in wanted]
+        if found:
+            sources.append((earlier.token_ids, torch.tensor([f[0] for f in found], device=device)))
+            rows.extend(f[1] for f in found)
+    if wanted:
+        raise RuntimeError(f"pending tokens of {sorted(wanted)} belong to no step in flight")
+    return PendingInputs(torch.tensor(rows, device=device), sources)
