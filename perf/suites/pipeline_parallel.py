@@ -11,7 +11,9 @@ stages' forward one after the other, plus the activation hand-off (one gloo send
 Measured, on the ~26M perf checkpoint (``build_perf_checkpoint``: hidden 512, 8 layers, so 4 per
 stage), compiled, fp32: one offline batch of ``REQUESTS`` = 64 prompts of ``PROMPT_LEN`` tokens,
 ``NEW_TOKENS`` greedy tokens each, through ``LLM.generate`` at PP=1 and PP=2 in interleaved
-rounds (medians): generated tokens/s and wall time; PP=2's tokens must equal PP=1's. The load
+rounds after one warm-up round each (medians): generated tokens/s and wall time; PP=2's tokens must equal PP=1's. The
+hand-off alone (``handoff``): a gloo send/recv of ``[rows, 2 * hidden]`` fp32 between two spawned
+processes, timed at a decode step's rows and a 512-token prefill step's. The load
 average before and after is recorded: on this shared 2-core VM another process on a core takes it
 from a stage, and the comparison means little above a load of ~2.
 
@@ -26,6 +28,7 @@ the per-stage kernels are the same as PP=1's.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -38,12 +41,54 @@ ROUNDS = 3
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 64, 32, 48
 QUICK = dict(rounds=1, requests=16, prompt_len=16, new_tokens=8)
 SYSTEMS = (("pp1", 1), ("pp2", 2))
+HANDOFF_REPS = 50
 
 
 def _workload(quick: bool) -> dict:
     if quick:
         return dict(QUICK)
     return dict(rounds=ROUNDS, requests=REQUESTS, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS)
+
+
+def _handoff_rank(rank: int, init_method: str, width: int, row_counts: list[int], queue: Any) -> None:
+    """Rank 0 sends ``[rows, width]`` to rank 1, which times each receive from a barrier."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    out = {}
+    for rows in row_counts:
+        x = torch.randn(rows, width)
+        samples = []
+        for i in range(HANDOFF_REPS + 5):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(x, dst=1)
+            else:
+                dist.recv(x, src=0)
+            if i >= 5:
+                samples.append(time.perf_counter() - start)
+        out[rows] = statistics.median(samples)
+    if rank == 1:
+        queue.put(out)
+    dist.destroy_process_group()
+
+
+def measure_handoff(width: int, row_counts: list[int]) -> dict[int, float]:
+    """Median seconds of one stage-to-stage hand-off per row count (gloo on 127.0.0.1)."""
+    from vgraph.distributed.executor import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_handoff_rank, args=(r, init, width, row_counts, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return result
 
 
 def _prompts(w: dict, vocab: int) -> list[list[int]]:
@@ -78,14 +123,20 @@ def run(device: str, quick: bool = False) -> dict:
             t0 = time.perf_counter()
             llms[name] = LLM(path, pipeline_parallel_size=pp, **kw)
             builds[name] = time.perf_counter() - t0
+        handoff = measure_handoff(2 * llms["pp1"].engine.runner.model.hidden_size,
+                                  sorted({w["requests"] // 2, min(512, w["requests"] * w["prompt_len"])}))
         prompts = _prompts(w, llms["pp1"].engine.vocab_size)
+        for llm in llms.values():  # warm-up, not counted: the first batches at new row counts are slower
+            _run_batch(llm, prompts, w["new_tokens"])
         runs: dict[str, list[dict]] = {name: [] for name in llms}
         for r in range(w["rounds"]):
             for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
                 runs[name].append(_run_batch(llms[name], prompts, w["new_tokens"]))
         in_flight = _max_in_flight(llms["pp2"].engine)
         llms["pp2"].close()
-    return _result(device, w, builds, runs, load_before, git, in_flight)
+    result = _result(device, w, builds, runs, load_before, git, in_flight)
+    result["handoff_s"] = handoff
+    return result
 
 
 def _max_in_flight(engine: Any) -> int:
@@ -126,6 +177,8 @@ def summarize(result: dict) -> str:
         lines.append(f"  {name:<8}{x['tokens_per_s']:>9.1f}{x['median_wall_s']:>9.2f}{x['build_s']:>9.1f}")
     lines.append(f"  PP=2 tokens equal PP=1: {result['tokens_equal_pp1']}; PP=2/PP=1 throughput "
                  f"{result['ratio']['pp2/pp1_tokens_per_s']:.2f}x")
+    lines.append("  hand-off [rows, 2 x hidden] fp32 over gloo, ms: " + ", ".join(
+        f"{rows} rows: {1e3 * t:.3f}" for rows, t in result["handoff_s"].items()))
     return "\n".join(lines)
 
 
