@@ -102,6 +102,8 @@ def test_sampling_logprobs_and_structured_outputs_equal_tp1(tp2):
     if (arch, mode) != ("llama", "eager"):
         pytest.skip("one configuration covers the step's non-greedy paths")
     reference = _tp1(arch)
+    assert llm.engine.config.scheduler.async_scheduling, "worker processes run the overlapped loop by default"
+    assert not reference.engine.config.scheduler.async_scheduling, "one CPU process runs the serial loop"
     prompts = random_prompts([9, 30], llm.engine.vocab_size, seed=11)
     cases = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=10, logprobs=3, ignore_eos=True),
              SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, presence_penalty=0.5),

@@ -88,12 +88,14 @@ def _run_split(engine: LLMEngine, prompts: list[str], params: SamplingParams) ->
     return [finals[str(i)] for i in range(len(prompts))]
 
 
-def test_server_side_detokenization_and_stop_strings_equal_the_engine_s():
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_server_side_detokenization_and_stop_strings_equal_the_engine_s(overlap):
     """Stop strings found after the engine ran ahead still give the in-process outputs: text,
-    token ids, logprobs, finish and stop reasons, for every sequence of an n > 1 request."""
+    token ids, logprobs, finish and stop reasons, for every sequence of an n > 1 request; the
+    split engine's loop serial or overlapped (the in-process one serial)."""
     kwargs = dict(enforce_eager=True, device="cpu", cpu_kv_cache_gib=0.02, max_num_seqs=8)
     in_process = LLM(DEMO_MODEL_NAME, **kwargs)
-    split = LLMEngine(EngineConfig.from_kwargs(DEMO_MODEL_NAME, **kwargs))
+    split = LLMEngine(EngineConfig.from_kwargs(DEMO_MODEL_NAME, async_scheduling=overlap, **kwargs))
     prompts = ["def add(a, b):", "import os\n", "class Point:"]
     params = SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=40, stop=[")", "\n\n", "self"], logprobs=1)
     expected = in_process.generate(prompts, params, use_tqdm=False)
@@ -147,6 +149,24 @@ def split_server(long_model):
         yield proc.wait_ready()
     finally:
         proc.close()
+
+
+def test_an_overlapped_engine_process_serves_the_in_process_tokens(long_model):
+    """``--async-scheduling`` in a real engine-core process: completions (n > 1, seeded, logprobs,
+    a stop string) equal the serial in-process engine's."""
+    body = {"model": long_model, "prompt": "def add(a, b):", "max_tokens": 24, "n": 2, "temperature": 0.8,
+            "seed": 7, "logprobs": 1, "stop": ["\n\n"]}
+    expected = LLM(long_model, enforce_eager=True, device="cpu").generate(
+        body["prompt"], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=24, logprobs=1, stop=["\n\n"]),
+        use_tqdm=False)[0]
+    proc = ServerProcess(*EAGER_ARGS, "--async-scheduling", "--model", long_model)
+    try:
+        choices = httpx.post(proc.wait_ready().url + "/v1/completions", json=body, timeout=120).json()["choices"]
+        assert "overlapped scheduling" in proc.log()
+    finally:
+        proc.close()
+    assert [(c["text"], c["finish_reason"]) for c in sorted(choices, key=lambda c: c["index"])] == [
+        (o.text, o.finish_reason) for o in expected.outputs]
 
 
 def test_a_client_disconnect_aborts_in_the_engine_process_and_frees_its_blocks(split_server):

@@ -203,3 +203,18 @@ def test_cuda_metadata_is_built_in_pinned_memory_and_copied_without_blocking(mon
             assert torch.equal(getattr(on_cuda, name), value), name
         else:
             assert getattr(on_cuda, name) == value, name
+
+
+def test_metadata_cache_reuses_a_steady_batch_and_rebuilds_what_changes():
+    """A decode batch of the same requests reuses its metadata; anything that changes per step
+    (penalty counts, min_tokens bans) or per batch (other rows, grammar masks) rebuilds."""
+    from vgraph.worker.sampler import SamplingMetadataCache
+    cache = SamplingMetadataCache(32, torch.device("cpu"))
+    a, b = _request(temperature=0.0), _request(temperature=0.7, top_k=5)
+    first = cache.get([a, b])
+    assert cache.get([a, b]) is first
+    assert cache.get([b, a]) is not first, "another order is another batch"
+    penalized = _request(frequency_penalty=0.5)
+    assert cache.get([a, penalized]) is not cache.get([a, penalized]), "penalty counts change every step"
+    banned = _request(min_tokens=3, max_tokens=8)
+    assert cache.get([banned]) is not cache.get([banned]), "min_tokens bans end as tokens arrive"

@@ -75,6 +75,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted while building this step (now at the front of the waiting queue).
     preempted: list[Request] = field(default_factory=list)
+    # Requests admitted from the waiting queue in this step (first admissions and re-admissions).
+    admitted: list[Request] = field(default_factory=list)
     plan: StepPlan = field(default_factory=StepPlan)
 
     @property
@@ -252,6 +254,7 @@ class Scheduler:
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
             output.scheduled.append(ScheduledRequest(request, num_new))
+            output.admitted.append(request)
             budget -= num_new
             if request.lora_id is not None:
                 adapters.add(request.lora_id)

@@ -114,7 +114,9 @@ class LLMEngine:
         after_start = before_engine + ready if before_engine is not None else None
         logger.info("startup: %s", engine_timeline(before_engine, config_and_tokenizer, self.runner.startup,
                                                    after_start))
-        logger.info("engine ready in %.2f s", ready)
+        logger.info("engine ready in %.2f s; %s", ready,
+                    "overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are read"
+                    if overlap else "serial step loop (--async-scheduling overlaps it)")
 
     # ------------------------------------------------------------------ requests
 
@@ -319,14 +321,15 @@ class LLMEngine:
             group.prompt_logprobs_sent = True
 
     def _stamp_first_scheduled(self, sched: SchedulerOutput, now: float) -> set[str]:
-        """Stamps and returns the requests scheduled for the first time in this step.
+        """Stamps and returns the requests scheduled for the first time in this step (only
+        admissions can be: the running ones were scheduled before).
 
         Their queue time is reported in this step even when a chunked prefill produces no
         token yet; re-admissions after preemption are not first schedulings.
         """
         first: set[str] = set()
-        for item in sched.scheduled:
-            group = self._groups[self._seq_to_group[item.request.request_id][0]]
+        for request in sched.admitted:
+            group = self._groups[self._seq_to_group[request.request_id][0]]
             if group.first_scheduled is None:
                 group.first_scheduled = now
                 first.add(group.request_id)

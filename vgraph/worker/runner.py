@@ -46,7 +46,7 @@ from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
 from .launched import LaunchedStep, pending_inputs
 from .runner_requests import RunnerRequests, RunnerStep
-from .sampler import Sampler, SamplingMetadata
+from .sampler import Sampler, SamplingMetadata, SamplingMetadataCache
 from .startup import StartupReport
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class ModelRunner:
         self.vocab_size = m.vocab_size
         self.softmax_scale = float(m.softmax_scale)
         self.sampler = Sampler()
+        self.sampling = SamplingMetadataCache(self.vocab_size, self.device)
         self.requests = RunnerRequests()  # the runner's copy of every planned, unfinished request
         self.stage = pp_stage()
         # Activations to and from the neighbouring stages; None with one stage.
@@ -327,7 +328,8 @@ class ModelRunner:
         if _reads_output_tokens(batch.sampled_requests):
             for earlier in self.launched:  # penalties count the earlier steps' tokens: read them
                 earlier.finish()
-        meta = SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks)
+        meta = (self.sampling.get(batch.sampled_requests, masks) if record
+                else SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks))
         out = self.sampler(logits, meta)
         return LaunchedStep(step, batch.sampled_requests, out.token_ids, out.logprobs, prompt_logprobs, pooled,
                             record)

@@ -166,6 +166,30 @@ class SamplingMetadata:
         )
 
 
+class SamplingMetadataCache:
+    """The last step's metadata, reused while the sampled rows are the same requests in the
+    same order and nothing in it changes from step to step (no penalty counts, no min_tokens
+    bans, no grammar masks): a steady decode batch then builds none of its ~10 tensors."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._requests: list[RunnerRequest] = []
+        self._meta: Optional[SamplingMetadata] = None
+
+    def get(self, requests: list[RunnerRequest], masks: Optional[GrammarMasks] = None) -> SamplingMetadata:
+        if masks is None and self._meta is not None and _same_rows(self._requests, requests):
+            return self._meta
+        meta = SamplingMetadata.from_requests(requests, self.vocab_size, self.device, masks)
+        steady = meta.no_penalties and meta.min_tokens_rows is None and meta.grammar_rows is None
+        self._requests, self._meta = (list(requests), meta) if steady else ([], None)
+        return meta
+
+
+def _same_rows(old: list[RunnerRequest], new: list[RunnerRequest]) -> bool:
+    return len(old) == len(new) and all(a is b for a, b in zip(old, new))
+
+
 def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host."""
     device = torch.device(device)
