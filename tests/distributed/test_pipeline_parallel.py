@@ -25,7 +25,10 @@ from tests.checkpoints import process_tmp_dir, tiny_checkpoint
 from tests.distributed.processes import pid_alive
 from tests.engine.hf_oracle import hf_greedy, random_prompts
 from vgraph import LLM, SamplingParams
-from vgraph.config import ParallelConfig
+from vgraph.config import CacheConfig, ParallelConfig, SchedulerConfig
+from vgraph.core.outputs import ModelRunnerOutput
+from vgraph.core.request import Request
+from vgraph.core.scheduler import Scheduler
 from vgraph.distributed.executor import WorkerFailed
 from vgraph.distributed.pipeline import LAYER_PARTITION_ENV, stage_layers
 from vgraph.models.demo import build_tiny_checkpoint
@@ -197,6 +200,21 @@ def test_layers_split_evenly_with_the_remainder_on_the_first_stages(monkeypatch)
     for bad in ("4,3", "8,0", "a,b", "2,2,4"):
         with pytest.raises(ValueError, match=LAYER_PARTITION_ENV):
             stage_layers(8, 2, bad)
+
+
+def test_each_step_in_flight_takes_its_share_of_the_requests():
+    """With two stages the scheduler gives a step at most half the requests; a request waits for
+    its token, so the next step takes the other half, and the two alternate."""
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                          CacheConfig(block_size=16), num_blocks=64, max_model_len=256, microbatches=2)
+    for i in range(6):
+        scheduler.add_request(Request(f"r{i}", [5 + i] * 4, SamplingParams(max_tokens=4, ignore_eos=True)))
+    first, second = scheduler.schedule(), scheduler.schedule()
+    ids = [{s.request.request_id for s in out.scheduled} for out in (first, second)]
+    assert ids == [{"r0", "r1", "r2"}, {"r3", "r4", "r5"}]
+    assert not scheduler.schedule().scheduled  # every request's token is pending: nothing to run
+    scheduler.update(first, ModelRunnerOutput({rid: 7 for rid in ids[0]}))
+    assert {s.request.request_id for s in scheduler.schedule().scheduled} == ids[0]
 
 
 def test_parallel_config_counts_ranks_stage_major():

@@ -374,8 +374,8 @@ class LLMEngine:
 
 def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
     """The model runner in this process, or with more than one rank (tensor x pipeline parallel
-    size) the executor of that many worker processes (vgraph/distributed/executor.py), after checking that the model
-    splits evenly so that a bad size fails before any process starts."""
+    size) the executor of that many worker processes (vgraph/distributed/executor.py), after
+    checking that the model splits evenly so that a bad size fails before any process starts."""
     if not config.parallel.is_parallel:
         return ModelRunner(config)
     spec = arch_spec(hf_config)
