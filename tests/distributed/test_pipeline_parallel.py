@@ -4,8 +4,9 @@ Greedy tokens of PP=2 (llama), PP=2 x TP=2 (qwen2: tied embeddings, so the last 
 embedding into its own lm_head) and PP=3 over a 4-layer model (a middle stage that both receives
 and sends; an uneven split) equal one rank and transformers (fp32), eager and compiled, with
 prefix caching; a compiled stage compiles only its own layers and never recompiles; sampling,
-logprobs, prompt logprobs, preemption and embeddings equal one rank. Bad sizes fail before any
-process starts; a killed stage is named and stops the engine; no worker outlives its engine.
+logprobs, prompt logprobs, structured outputs, preemption and embeddings equal one rank; the
+engine keeps one step per stage in flight. Bad sizes fail before any process starts; a killed
+stage is named and stops the engine; no worker outlives its engine.
 The served engine (engine-core process) is in test_pp_server.py.
 
 One engine lives at a time (module-scoped, parametrized): each start costs P x T processes.
@@ -32,6 +33,7 @@ from vgraph.core.scheduler import Scheduler
 from vgraph.distributed.executor import WorkerFailed
 from vgraph.distributed.pipeline import LAYER_PARTITION_ENV, stage_layers
 from vgraph.models.demo import build_tiny_checkpoint
+from vgraph.structured.params import StructuredOutputsParams
 
 NEW_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -131,13 +133,15 @@ def test_each_stage_compiles_its_layers_and_never_recompiles(staged):
         assert (c.pieces, c.compiled_pieces) == (2 * own + 1, own + 1), f"rank {rank}"
 
 
-def test_sampling_logprobs_and_prompt_logprobs_equal_one_rank(staged):
+def test_sampling_logprobs_prompt_logprobs_and_structured_outputs_equal_one_rank(staged):
     (name, tp, pp, mode), llm = staged
     if (tp, pp, mode) != (1, 2, "eager"):
         pytest.skip("one configuration covers the last stage's sampler paths")
     prompts = random_prompts([9, 30], llm.engine.vocab_size, seed=11)
     cases = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=10, logprobs=3, ignore_eos=True),
-             SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, presence_penalty=0.5)]
+             SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=2, presence_penalty=0.5),
+             SamplingParams(temperature=0.0, max_tokens=6,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no way"]))]
     for params in cases:
         for a, b in zip(_generate(llm, prompts, params), _generate(_one_rank(name), prompts, params)):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -145,6 +149,8 @@ def test_sampling_logprobs_and_prompt_logprobs_equal_one_rank(staged):
                 assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
             for x, y in zip((a.prompt_logprobs or [None])[1:], (b.prompt_logprobs or [None])[1:]):
                 assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+            if params.structured_outputs is not None:
+                assert a.outputs[0].text in ("yes", "no way")
 
 
 def test_preemption_and_embeddings_equal_one_rank(staged):
