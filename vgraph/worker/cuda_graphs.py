@@ -336,7 +336,8 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
       strided view of it), q and k after rotary (q + kv), the attention output (q, written
       in place by the attention op) and the residual (hidden), so 3q + 3kv + hidden per
       token; the last piece's output (hidden); the rotary cos and sin the first piece hands
-      on (head_dim); the staged input ids and positions (two int64);
+      on (head_dim); the staged input ids and positions (two int64; a later pipeline stage's
+      input is 2 x hidden activations instead of an id);
     - FULL: the persistent decode inputs and the hidden-state output.
     """
     full = list(buckets.full) if mode.has_full else []
@@ -344,8 +345,11 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
     elt = torch.empty((), dtype=model.dtype).element_size()
     q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     layer_io = 3 * q_width + 3 * kv_width + model.hidden_size
-    per_token = elt * (model.num_layers * layer_io + model.hidden_size + model.head_dim) + 2 * 8
+    # A later pipeline stage's input is the previous stage's [tokens, 2 x hidden], not an int64 id.
+    later_stage = getattr(model, "pp", None) is not None and not model.pp.is_first
+    inputs = 2 * model.hidden_size * elt if later_stage else 8
+    per_token = elt * (model.num_layers * layer_io + model.hidden_size + model.head_dim) + inputs + 8
     piece_buffers = per_token * max(pieces_sizes, default=0)
-    per_seq = model.hidden_size * elt + 3 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
+    per_seq = model.hidden_size * elt + inputs + 2 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
     full_buffers = per_seq * max(full, default=0)
     return int(piece_buffers + full_buffers)
