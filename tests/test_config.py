@@ -81,6 +81,8 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "tensor_parallel_size": [(["--tensor-parallel-size", "2"], 2)],
     "pipeline_parallel_size": [(["--pipeline-parallel-size", "2"], 2), (["-pp", "3"], 3)],
     "distributed_backend": [(["--distributed-backend", "gloo"], "gloo")],
+    "distributed_executor_backend": [(["--distributed-executor-backend", "mp"], "mp")],
+    "placement_group_strategy": [(["--placement-group-strategy", "SPREAD"], "SPREAD")],
     "enable_lora": [(["--enable-lora"], True)],
     "max_loras": [(["--max-loras", "4"], 4)],
     "max_lora_rank": [(["--max-lora-rank", "64"], 64)],

@@ -12,18 +12,18 @@ scheduler's plan (core/step_plan.py), which carries only what changed since the 
 The scheduler runs once, in the engine; each step is broadcast to all ranks, which build the
 same batch and run the same forward (their all-reduces meet in the middle) and the same sampler
 on the same gathered logits; the output rank's result is the step's (rank 0, or with pipeline
-stages tp rank 0 of the last stage).
-
-Steps may be in flight (``submit`` now, ``collect`` later, first in first out): the ranks read
-their pipes in order, so with pipeline stages stage 0 starts step N + 1 while the last stage
-still runs step N. ``execute`` is ``submit`` then ``collect``. Workers are spawned (never forked: a
+stages tp rank 0 of the last stage, whose stage 0 starts step N + 1 while the last stage still
+runs step N: the ranks read their connections in order). Workers are spawned (never forked: a
 forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
 asks each to stop, then terminates what is left; it runs at interpreter exit too.
+
+``RankExecutor`` is the engine's side of that protocol, shared with the Ray executor
+(ray_executor.py), whose ranks are actors on other machines reached over TCP; it also lets the
+engine keep several steps in flight (``submit`` now, ``collect`` the oldest result later).
 """
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import logging
 import multiprocessing
@@ -32,9 +32,10 @@ import signal
 import socket
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..config import EngineConfig
 from ..core.outputs import ModelRunnerOutput
@@ -59,7 +60,7 @@ _STARTUP_HINT = ("\nWorkers are spawned processes that import your main module a
 
 
 class WorkerFailed(RuntimeError):
-    """A worker (any rank of any stage) died or raised; the executor has stopped every rank."""
+    """A tensor-parallel worker died or raised; the executor has stopped every rank."""
 
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(message)
@@ -86,31 +87,48 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-class MultiprocExecutor:
-    """Runs ``config.parallel.world_size`` ranks (T per stage, P stages); stands where a ModelRunner stands
-    for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``,
-    ``add_lora``, ``remove_lora``)."""
+class RankExecutor:
+    """The engine's side of the ranks, whatever starts them: one duplex connection per rank (a
+    pipe to a local process, a TCP connection to a Ray actor), over which every rank runs the
+    same loop (worker.run_rank). Stands where a ModelRunner stands for the engine
+    (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``, ``submit`` /
+    ``collect``, ``add_lora``, ``remove_lora``, ``close``).
+
+    A subclass starts the ranks, sets ``_conns`` (by rank) and calls ``_start``; it says how to
+    wait for replies while watching for dead ranks (``_wait``), how to name a rank and tell how
+    it died, and how to stop every rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
-            raise ValueError("MultiprocExecutor takes a resolved EngineConfig (EngineConfig.resolved)")
+            raise ValueError(f"{type(self).__name__} takes a resolved EngineConfig (EngineConfig.resolved)")
         self.world_size = config.parallel.world_size
         self._output_rank = config.parallel.output_rank
         self._failure: Optional[WorkerFailed] = None
         self._closed = False
-        # One entry per submitted, uncollected step: whether it went to the ranks (an empty plan
-        # does not); and the replies of sent steps read early (before another command), in order.
-        self._in_flight: collections.deque[bool] = collections.deque()
-        self._answered: collections.deque[ModelRunnerOutput] = collections.deque()
-        self._workers = self._spawn(config)
+        self._conns: list[Connection] = []
+        # One entry per submitted step, oldest first: its result, or None while its replies are
+        # still in the connections.
+        self._in_flight: deque[Optional[ModelRunnerOutput]] = deque()
+        # What the ranks report once ready (``_start``).
+        self.pids: list[int] = []
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.startup: Optional[StartupReport] = None
+        self.compile_counters: Any = None
+        self.compile_cache = None  # lives in the workers: one entry per rank
+        self.compile_cache_folders: list[Optional[str]] = []
+
+    def _start(self, startup_hint: str = "") -> None:
+        """Waits for every rank's report (closing everything if any fails) and takes it in."""
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
-            infos: list[WorkerInfo] = self._broadcast(None)
+            infos: list[WorkerInfo] = self._gather()
         except WorkerFailed as failure:
             self.close()
-            if " died " not in str(failure):  # it reported its own error
+            if " died " not in str(failure) or not startup_hint:  # it reported its own error
                 raise
-            raise WorkerFailed(failure.rank, f"{failure}{_STARTUP_HINT}") from None
+            raise WorkerFailed(failure.rank, f"{failure}{startup_hint}") from None
         except BaseException:
             self.close()
             raise
@@ -119,61 +137,42 @@ class MultiprocExecutor:
         self.num_blocks = min(info.num_blocks for info in infos)
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = infos[0].vocab_size
-        self.startup: StartupReport = infos[0].startup
+        self.startup = infos[0].startup
         self.compile_counters = infos[0].compile_counters
-        self.compile_cache = None  # lives in the workers: one entry per rank
         self.compile_cache_folders = [info.compile_cache_folder for info in infos]
-        par = config.parallel
-        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", _kind(par), self.world_size,
-                    ", ".join(map(str, self.pids)), par.distributed_backend, threads_per_rank(self.world_size))
-
-    def _spawn(self, config: EngineConfig) -> list[_Worker]:
-        ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
-        level = logging.getLogger("vgraph").getEffectiveLevel()
-        workers = []
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
-                              timeout, level)
-            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-rank-{rank}", daemon=True)
-            process.start()
-            child.close()  # the worker's end lives in the worker: EOF here when it dies
-            workers.append(_Worker(rank, process, parent, _place(config, rank)))
-        return workers
 
     # ------------------------------------------------------------------ the engine's calls
 
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
-        """Runs one step with nothing else in flight; returns the output rank's result."""
-        if self._in_flight:
-            raise RuntimeError("execute() while steps are in flight: collect() them first")
+        """Broadcasts the step; returns the output rank's result."""
         self.submit(plan, grammar_masks)
         return self.collect()
 
     def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
-        """Sends the step to every rank without waiting for it; ``collect`` returns its result."""
+        """Sends the step to every rank and returns at once: the engine may schedule the next
+        step while this one runs. Each rank answers its connection in order, so ``collect``
+        returns the steps' results in the order submitted. A step sent while a rank still runs
+        the previous one waits in the connection's buffer; a plan larger than that buffer makes
+        this call wait until the rank reads it (after it has sent its previous reply)."""
+        if not plan.chunks:
+            self._in_flight.append(ModelRunnerOutput({}, None))
+            return
         self._check_running()
-        if plan.chunks:
-            self._guarded(self._send, (STEP, (plan, grammar_masks)))
-        self._in_flight.append(bool(plan.chunks))
+        self._send((STEP, (plan, grammar_masks)))
+        self._in_flight.append(None)  # its replies are still in the connections
 
     def collect(self) -> ModelRunnerOutput:
-        """The result of the oldest submitted step, waiting for it."""
+        """The oldest submitted step's result (waits for it)."""
         if not self._in_flight:
             raise RuntimeError("collect() without a submitted step")
-        sent = self._in_flight.popleft()
-        if not sent:
-            return ModelRunnerOutput({}, None)
-        if self._answered:
-            return self._answered.popleft()
+        done = self._in_flight.popleft()
+        if done is not None:
+            return done
         self._check_running()
-        return self._guarded(self._replies)[self._output_rank]
+        return self._gather()[self._output_rank]
 
     @property
-    def num_in_flight(self) -> int:
-        """Submitted steps not collected yet."""
+    def steps_in_flight(self) -> int:
         return len(self._in_flight)
 
     def add_lora(self, lora: Any) -> None:
@@ -194,94 +193,161 @@ class MultiprocExecutor:
         return self._broadcast((COUNTERS, None))
 
     def close(self) -> None:
-        """Stops every worker (idempotent): asks them to finish, then terminates the rest."""
+        """Stops every rank (idempotent): asks them to finish, then stops what is left."""
         if self._closed:
             return
         self._closed = True
         if self._failure is None:
-            for w in self._workers:
-                with contextlib.suppress(OSError):  # a rank already gone: its sentinel says the rest
-                    w.conn.send((SHUTDOWN, None))
-            deadline = time.monotonic() + _GRACE_S
-            for w in self._workers:
-                w.process.join(max(0.0, deadline - time.monotonic()))
-        _stop(self._workers)
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a rank already gone: the stop says the rest
+                    conn.send((SHUTDOWN, None))
+            self._wait_stopped(_GRACE_S)
+        self._stop_ranks()
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    # ------------------------------------------------------------------ the pipes
+    # ------------------------------------------------------------------ what a subclass says
+
+    def _wait(self, pending: list[Connection]) -> list[Connection]:
+        """The connections among ``pending`` with a reply (or EOF) to read; raises
+        ``WorkerFailed`` for a rank that died with its reply pending."""
+        raise NotImplementedError
+
+    def _died(self, rank: int) -> WorkerFailed:
+        """The failure of a rank whose connection closed (it died)."""
+        raise NotImplementedError
+
+    def _find_dead(self) -> Optional[WorkerFailed]:
+        """A rank that is no longer running, if any (after a connection broke)."""
+        raise NotImplementedError
+
+    def _label(self, rank: int) -> str:
+        """How errors name a rank, e.g. "tensor-parallel worker rank 1 (pid 42)"."""
+        raise NotImplementedError
+
+    def _wait_stopped(self, timeout: float) -> None:
+        """Lets the ranks that were told SHUTDOWN finish, for at most ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def _stop_ranks(self) -> None:
+        """Stops every rank still running and releases what the executor holds (idempotent)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the connections
 
     def _check_running(self) -> None:
         if self._failure is not None:
-            raise WorkerFailed(self._failure.rank, f"the multiprocessing executor has stopped: {self._failure}")
+            raise WorkerFailed(self._failure.rank, f"the tensor-parallel executor has stopped: {self._failure}")
         if self._closed:
-            raise RuntimeError("the multiprocessing executor is closed")
+            raise RuntimeError("the tensor-parallel executor is closed")
 
-    def _broadcast(self, command: Optional[tuple[str, Any]]) -> list[Any]:
-        """Sends ``command`` to every rank (None: nothing, wait for the startup report) and
-        returns every rank's reply, by rank. Replies of steps still in flight are read first
-        and kept for ``collect``. Any rank dying or failing first stops them all."""
-        self._read_in_flight()
-        if command is not None:
-            self._guarded(self._send, command)
-        return self._guarded(self._replies)
+    def _broadcast(self, command: tuple[str, Any]) -> list[Any]:
+        """Sends ``command`` to every rank and returns every rank's reply, by rank. Steps still
+        in flight are received first (kept for ``collect``): their replies are ahead of this
+        one in the connections."""
+        self._finish_in_flight()
+        self._send(command)
+        return self._gather()
 
-    def _read_in_flight(self) -> None:
-        for _ in range(sum(self._in_flight) - len(self._answered)):
-            self._answered.append(self._guarded(self._replies)[self._output_rank])
+    def _finish_in_flight(self) -> None:
+        for i in range(len(self._in_flight)):
+            if self._in_flight[i] is None:
+                self._in_flight[i] = self._gather()[self._output_rank]
 
     def _send(self, command: tuple[str, Any]) -> None:
-        for w in self._workers:
-            w.conn.send(command)
+        self._guarded(lambda: [conn.send(command) for conn in self._conns])
 
-    def _guarded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``; a rank that died or failed meanwhile stops them all and is named."""
+    def _gather(self) -> list[Any]:
+        """Every rank's next reply, by rank. Any rank dying or failing first stops them all."""
+        return self._guarded(self._replies)
+
+    def _guarded(self, io: Callable[[], Any]) -> Any:
+        """Runs connection I/O; a dead or failed rank becomes ``WorkerFailed`` and stops every rank."""
         try:
-            return fn(*args)
+            return io()
         except WorkerFailed as failure:
             self._fail(failure)
             raise
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            failure = self._find_dead() or WorkerFailed(-1, "a worker's pipe closed")
+            failure = self._find_dead() or WorkerFailed(-1, "a tensor-parallel worker's connection closed")
             self._fail(failure)
             raise failure from None
 
     def _replies(self) -> list[Any]:
-        pending = {w.conn: w for w in self._workers}
+        rank_of = {conn: rank for rank, conn in enumerate(self._conns)}
+        pending = list(self._conns)
         replies: list[Any] = [None] * self.world_size
         while pending:
-            sentinels = {w.process.sentinel: w for w in pending.values()}
-            for ready in wait([*pending, *sentinels]):
-                if ready in pending:
-                    worker = pending.pop(ready)
-                    replies[worker.rank] = self._receive(worker)
-                elif ready in sentinels and sentinels[ready].conn in pending and not sentinels[ready].conn.poll():
-                    raise _died(sentinels[ready])
+            for ready in self._wait(pending):
+                pending.remove(ready)
+                replies[rank_of[ready]] = self._receive(rank_of[ready])
         return replies
 
-    def _receive(self, worker: _Worker) -> Any:
+    def _receive(self, rank: int) -> Any:
         try:
-            status, payload = worker.conn.recv()
+            status, payload = self._conns[rank].recv()
         except (EOFError, OSError):
-            worker.process.join(_GRACE_S)
-            raise _died(worker) from None
+            raise self._died(rank) from None
         if status == "error":
-            dead = self._dead_without_word(worker)
-            if dead is not None:  # the cause: a neighbouring stage's send/recv failed because it is gone
-                raise _died(dead)
-            raise WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}){worker.place} "
-                                            f"failed; the engine stopped every rank.\n{payload}")
+            killed = self._killed_other(rank)
+            if killed is not None:  # the cause: a neighbouring stage's send/recv failed because it is gone
+                raise killed
+            raise WorkerFailed(rank, f"{self._label(rank)} failed; the engine stopped every rank.\n{payload}")
         return payload
 
-    def _dead_without_word(self, reporter: _Worker) -> Optional[_Worker]:
-        """Another worker killed by a signal (it could not say why), if any: a worker that fails
-        by itself reports, then exits with code 1."""
-        for w in self._workers:
-            if w is not reporter and not w.process.is_alive() and (w.process.exitcode or 0) < 0:
-                return w
+    def _killed_other(self, reporter: int) -> Optional[WorkerFailed]:
+        """The failure of another rank killed by a signal (it could not say why), if the
+        executor can tell: a pipeline stage's error is then only the consequence."""
         return None
+
+    def _fail(self, failure: WorkerFailed) -> None:
+        self._failure = failure
+        logger.error("%s", failure)
+        self._closed = True
+        self._stop_ranks()
+
+
+class MultiprocExecutor(RankExecutor):
+    """Runs ``config.parallel.world_size`` ranks as spawned processes on this machine; a rank's
+    death is seen on its process sentinel, waited on together with the pipes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._workers = self._spawn(config)
+        self._conns = [w.conn for w in self._workers]
+        self._start(_STARTUP_HINT)
+        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", _kind(config.parallel),
+                    self.world_size, ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
+                    threads_per_rank(self.world_size))
+
+    def _spawn(self, config: EngineConfig) -> list[_Worker]:
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        timeout = collective_timeout_s()
+        level = logging.getLogger("vgraph").getEffectiveLevel()
+        workers = []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
+                              timeout, level)
+            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
+            process.start()
+            child.close()  # the worker's end lives in the worker: EOF here when it dies
+            workers.append(_Worker(rank, process, parent, _place(config, rank)))
+        return workers
+
+    def _wait(self, pending: list[Connection]) -> list[Connection]:
+        by_sentinel = {self._workers[self._conns.index(c)].process.sentinel: c for c in pending}
+        ready = wait([*pending, *by_sentinel])
+        for sentinel, conn in by_sentinel.items():
+            if sentinel in ready and conn not in ready and not conn.poll():
+                raise self._died(self._conns.index(conn))
+        return [r for r in ready if r in pending]
+
+    def _died(self, rank: int) -> WorkerFailed:
+        return _died(self._workers[rank])
 
     def _find_dead(self) -> Optional[WorkerFailed]:
         for w in self._workers:
@@ -290,11 +356,28 @@ class MultiprocExecutor:
                 return _died(w)
         return None
 
-    def _fail(self, failure: WorkerFailed) -> None:
-        self._failure = failure
-        logger.error("%s", failure)
-        self._closed = True
+    def _label(self, rank: int) -> str:
+        worker = self._workers[rank]
+        return f"tensor-parallel worker rank {rank} (pid {worker.process.pid}){worker.place}"
+
+    def _killed_other(self, reporter: int) -> Optional[WorkerFailed]:
+        for w in self._workers:  # one that fails by itself reports, then exits with code 1
+            if w.rank != reporter and not w.process.is_alive() and (w.process.exitcode or 0) < 0:
+                return _died(w)
+        return None
+
+    def _wait_stopped(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _stop_ranks(self) -> None:
         _stop(self._workers)
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks ($VGRAPH_TP_COLLECTIVE_TIMEOUT_S)."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
 
 
 def _died(worker: _Worker) -> WorkerFailed:
@@ -303,8 +386,8 @@ def _died(worker: _Worker) -> WorkerFailed:
     how = f"exit code {code}"
     if code is not None and code < 0:
         how = f"signal {signal.Signals(-code).name}"
-    return WorkerFailed(worker.rank, f"worker rank {worker.rank} (pid {worker.process.pid}) died ({how})"
-                                     f"{worker.place}; the engine stopped every rank")
+    return WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died "
+                                     f"({how}){worker.place}; the engine stopped every rank")
 
 
 def _kind(par: Any) -> str:
@@ -339,7 +422,7 @@ def _stop(workers: list[_Worker]) -> None:
         w.conn.close()
 
 
-def _close_at_exit(ref: "weakref.ref[MultiprocExecutor]") -> None:
+def _close_at_exit(ref: "weakref.ref[RankExecutor]") -> None:
     executor = ref()
     if executor is not None:
         executor.close()
