@@ -112,8 +112,8 @@ def test_stages_run_steps_in_flight(staged, monkeypatch):
 
     def submit_and_count(plan, masks=None):
         submit(plan, masks)
-        seen.append(runner.num_in_flight)
-        if runner.num_in_flight == 2 and seen.count(2) == 1:
+        seen.append(runner.steps_in_flight)
+        if runner.steps_in_flight == 2 and seen.count(2) == 1:
             assert len(runner.collect_compile_counters()) == 2  # between two steps in flight
 
     monkeypatch.setattr(runner, "submit", submit_and_count)
