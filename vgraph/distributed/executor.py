@@ -318,7 +318,7 @@ class MultiprocExecutor(RankExecutor):
         self._workers = self._spawn(config)
         self._conns = [w.conn for w in self._workers]
         self._start(_STARTUP_HINT)
-        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", _kind(config.parallel),
+        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", parallelism_kind(config.parallel),
                     self.world_size, ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
                     threads_per_rank(self.world_size))
 
@@ -390,7 +390,7 @@ def _died(worker: _Worker) -> WorkerFailed:
                                      f"({how}){worker.place}; the engine stopped every rank")
 
 
-def _kind(par: Any) -> str:
+def parallelism_kind(par: Any) -> str:
     """The parallelism, as the startup line names it."""
     t, p = par.tensor_parallel_size, par.pipeline_parallel_size
     if p == 1:
