@@ -65,6 +65,7 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "max_num_batched_tokens": [(["--max-num-batched-tokens", "512"], 512)],
     "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],
     "enable_chunked_prefill": [(["--no-chunked-prefill"], False)],
+    "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],
     "level": [(["--enforce-eager"], CompileLevel.NONE)],
     "splitting_ops": [(["--splitting-ops", "a::b", "c::d"], ["a::b", "c::d"])],
     "compile_sizes": [(["--compile-sizes", "4", "8"], [4, 8])],
