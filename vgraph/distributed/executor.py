@@ -347,7 +347,9 @@ class MultiprocExecutor(RankExecutor):
         return [r for r in ready if r in pending]
 
     def _died(self, rank: int) -> WorkerFailed:
-        return _died(self._workers[rank])
+        # A rank that exited because a neighbouring stage was killed (its send/recv broke) is
+        # only the consequence: the killed one is named.
+        return self._killed_other(rank) or _died(self._workers[rank])
 
     def _find_dead(self) -> Optional[WorkerFailed]:
         for w in self._workers:
