@@ -63,7 +63,6 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "kv_cache_dtype": [(["--kv-cache-dtype", "fp8"], "fp8"), (["--kv-cache-dtype", "fp8_e4m3"], "fp8")],
     "max_num_seqs": [(["--max-num-seqs", "8"], 8)],
     "max_num_batched_tokens": [(["--max-num-batched-tokens", "512"], 512)],
-    "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],
     "enable_chunked_prefill": [(["--no-chunked-prefill"], False)],
     "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],
     "level": [(["--enforce-eager"], CompileLevel.NONE)],

@@ -355,7 +355,7 @@ class MultiprocExecutor(RankExecutor):
         for w in self._workers:
             w.process.join(0.5)
             if not w.process.is_alive():
-                return _died(w)
+                return self._died(w.rank)  # a killed rank first: the others may have died of it
         return None
 
     def _label(self, rank: int) -> str:
