@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import omp_policy
 from .logging_setup import configure_default_logging
+
+omp_policy.apply_default()  # before torch loads OpenMP: see omp_policy.py
 
 __version__ = "0.1.0"
 

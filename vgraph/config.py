@@ -242,7 +242,8 @@ class SchedulerConfig:
     # None: GPU_STEP_TOKENS on CUDA, CPU_STEP_TOKENS on CPU (see ``resolved``).
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=cli(
         f"most tokens in one step (default: {GPU_STEP_TOKENS} on CUDA; {CPU_STEP_TOKENS} on CPU, "
-        "where steps whose activations stay in cache prefill fastest)"))
+        "where steps whose activations stay in cache prefill fastest; vgraph serve on CPU: 128, or "
+        "--max-num-seqs if larger, so a prompt's prefill chunks stall running streams less)"))
     enable_chunked_prefill: bool = field(default=True, metadata=cli(
         "split long prompts over several steps", negative="--no-chunked-prefill",
         aliases=["--no-enable-chunked-prefill"], positive="--enable-chunked-prefill"))

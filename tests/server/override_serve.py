@@ -46,8 +46,8 @@ def _faulty_tokenizer_class(cls: type) -> None:
     cls.encode = faulty_encode
 
 
-def _build(settings: Any, engine: Any) -> Any:
-    return _build_app(dataclasses.replace(settings, **_SETTINGS), engine)
+def _build(settings: Any, engine: Any, **kwargs: Any) -> Any:
+    return _build_app(dataclasses.replace(settings, **_SETTINGS), engine, **kwargs)
 
 
 def _load_faulty_tokenizer(*args: Any, **kwargs: Any) -> Any:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any, Callable, Optional, Sequence
 
 from .core_codec import ABORT, ADD, FINISH, LOAD_LORA, SHUTDOWN, UNLOAD_LORA, EngineFacts
 from .inputs import InputError, PromptType
 from .stats import EngineStep, RequestTiming
+from .step_trace import StepTrace
 
 logger = logging.getLogger("vgraph")
 
@@ -43,10 +45,17 @@ class EngineLoop:
         self.accepted = accepted
         self.stepped = stepped
         self._traced: set[type] = set()  # exception types whose traceback was logged
+        self.trace = StepTrace.from_env()  # VGRAPH_STEP_TRACE: one line per step, for stall hunting
 
     def serve(self, commands: queue.SimpleQueue) -> None:
         """Returns after ``shutdown`` (aborting what is left); a failing step raises."""
-        engine = self.engine
+        try:
+            self._serve(commands)
+        finally:
+            self.trace.flush()
+
+    def _serve(self, commands: queue.SimpleQueue) -> None:
+        engine, trace = self.engine, self.trace
         while True:
             batch = [commands.get()] if not engine.has_unfinished_requests() else []
             while True:
@@ -63,7 +72,10 @@ class EngineLoop:
             if batch:
                 self.stepped(EngineStep([], timings, engine.stats()))
             if engine.has_unfinished_requests():
-                self.stepped(engine.step())
+                start = time.time()
+                step = engine.step()
+                trace.record(start, time.time(), step, len(batch))
+                self.stepped(step)
 
     def _apply(self, command: tuple) -> list[RequestTiming]:
         kind = command[0]

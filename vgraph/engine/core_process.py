@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from .core_codec import (ACCEPTED, ADD, LOAD_LORA, decode_lora, FATAL, READY, STARTUP_FAILED, STEP, decode_params, encode_delta, encode_error,
                          encode_stats, encode_timing, pack, unpack)
+from .gc_tuning import freeze_after_startup
 from .stats import EngineStep
 
 logger = logging.getLogger("vgraph")
@@ -93,6 +94,7 @@ def _run(config: CoreProcessConfig, commands_socket: Any, send: Callable[[bytes]
         send(pack([STARTUP_FAILED, encode_error(exc)]))
         commands_socket.close()  # no input thread took it
         return 1
+    freeze_after_startup()  # the built engine's objects are never walked by a collection again
     commands: queue.SimpleQueue = queue.SimpleQueue()
     threading.Thread(target=_receive, args=(commands_socket, commands), name="vgraph-core-input", daemon=True).start()
     send(pack([READY, facts.encode()]))

@@ -21,6 +21,16 @@ if TYPE_CHECKING:  # imported when building: prepare_environment must run before
     from .client import EngineClient
 
 
+# The step token budget of a CPU engine that serves streams (``--max-num-batched-tokens`` not
+# given). A step runs every running stream's decode row plus the prefill chunks that fit, and on
+# CPU a prefill row costs as much compute as a decode row, so a step carrying a 512-token chunk
+# (the offline CPU default) takes ~10x a decode step: with a steady flow of arriving requests,
+# every running stream then stalls for that long once per arrival (issue 33: ITL p99 119-131 ms
+# against a 14 ms TPOT). Small chunks spread each prompt over a few steps, each only a little
+# longer than a decode step. Measured with ``python -m perf run serving-vllm`` (see there).
+SERVE_CPU_STEP_TOKENS = 128
+
+
 class TopologyError(ValueError):
     """The asked topology cannot run here (a user error: the CLI prints one line)."""
 
@@ -41,18 +51,24 @@ class ServingTopology:
 
 
 def prepare_environment() -> None:
-    """What the serving processes need before torch loads (OpenMP reads it then).
+    """What the serving processes need before torch loads (OpenMP reads it then): vgraph's
+    OpenMP wait policy (``omp_policy``), which ``import vgraph`` has normally applied already.
 
-    The engine thread shares the CPU with the HTTP thread. OpenMP workers that spin between
-    parallel regions (the default) starve it, and on a busy machine every region then waits
-    for descheduled spinners: measured on 2 cores, inter-token latency at 1 stream went from
-    ~150 ms to ~10 ms with passive waiting. An explicit OMP_WAIT_POLICY from the user wins.
+    The engine shares the CPU with the HTTP server and the clients. OpenMP workers that spin
+    between parallel regions for libgomp's default ~300,000 polls starve them, and on a busy
+    machine every region then waits for descheduled spinners (measured on 2 cores with the
+    engine on a thread of the server: inter-token latency at 1 stream ~150 ms spinning, ~10 ms
+    passive). ``omp_policy`` waits passively when the machine is busy as vgraph loads and spins
+    briefly (``GOMP_SPINCOUNT=1000``) otherwise; an explicit OMP_WAIT_POLICY or GOMP_SPINCOUNT
+    from the user wins.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from .. import omp_policy
+    omp_policy.apply_default()
 
 
 def serving_engine(topology: ServingTopology) -> Any:
     """The engine the server runs (not started): one ``EngineClient``, or N behind the router."""
+    topology = with_serving_defaults(topology)
     size = topology.data_parallel_size
     if size == 1:
         return _client(topology, topology.engine_kwargs["device"], None, None)
@@ -68,6 +84,22 @@ def serving_engine(topology: ServingTopology) -> Any:
     # The router hashes prompts in the replicas' KV blocks, the size their config resolves to.
     config = EngineConfig.from_kwargs(topology.model, **{**topology.engine_kwargs, "device": devices[0]})
     return data_parallel(replicas, config.cache.resolved(torch.device(devices[0]).type).block_size)
+
+
+def with_serving_defaults(topology: ServingTopology) -> ServingTopology:
+    """``topology`` with the step budget serving wants on CPU when the user gave none:
+    ``SERVE_CPU_STEP_TOKENS``, but never fewer than ``max_num_seqs`` (each running stream must
+    fit its decode row into every step, or the later ones wait while the earlier ones run). A
+    budget that must hold whole prompts (``--no-chunked-prefill``) is left to the engine."""
+    from dataclasses import replace
+
+    from ..config import SchedulerConfig, resolve_device
+    kwargs = topology.engine_kwargs
+    if (kwargs.get("max_num_batched_tokens") is not None or kwargs.get("enable_chunked_prefill") is False
+            or resolve_device(kwargs.get("device") or "auto") != "cpu"):
+        return topology
+    seats = kwargs.get("max_num_seqs") or SchedulerConfig.max_num_seqs
+    return replace(topology, engine_kwargs={**kwargs, "max_num_batched_tokens": max(SERVE_CPU_STEP_TOKENS, seats)})
 
 
 def _client(topology: ServingTopology, device: str, threads: Optional[int], building: Any) -> "EngineClient":

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from .. import __version__
 from ..engine.dp_engine import DataParallelEngine
+from ..engine.gc_tuning import freeze_after_startup
 from ..engine.stats import StepOutput
 from . import routes_chat, routes_completions, routes_embeddings, routes_lora, routes_misc, routes_responses
 from .auth import APIKeyMiddleware
@@ -35,7 +36,7 @@ def _both(first: Callable[[StepOutput], None], second: Callable[[StepOutput], No
     return on_step
 
 
-def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
+def build_app(settings: ServerSettings, engine: Engine, tune_gc: bool = False) -> FastAPI:
     """An app serving ``engine`` (not started yet): an ``EngineClient`` (the engine in its own
     process or on a thread of this one) or a ``DataParallelEngine`` (several of them); the
     routes see one interface.
@@ -43,6 +44,8 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     The engine's ``on_fatal`` runs on the event loop when it fails to start or dies later; the
     caller sets it and decides how the process ends (see ``lifecycle.serve``). The app sets
     ``on_step`` (the metrics, and the request log unless --disable-log-requests).
+    ``tune_gc``: once the engine is ready, freeze what startup left alive and make young
+    collections rarer (``gc_tuning``); for a server process, not for an app inside a test.
     """
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
     metrics = ServerMetrics(settings.served_model_names[0], lambda: [replica.stats for replica in replicas])
@@ -54,7 +57,7 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        announce = asyncio.create_task(_announce_ready(state))
+        announce = asyncio.create_task(_announce_ready(state, tune_gc))
         try:
             yield
         finally:
@@ -78,12 +81,14 @@ def build_app(settings: ServerSettings, engine: Engine) -> FastAPI:
     return app
 
 
-async def _announce_ready(state: ServerState) -> None:
+async def _announce_ready(state: ServerState, tune_gc: bool) -> None:
     try:
         await state.engine.wait_ready()
     except Exception:
         return  # on_fatal reports it
     engine = state.engine
     await state.check_adapters()
+    if tune_gc:
+        freeze_after_startup()  # what startup left alive is never walked by a collection again
     logger.info("ready: serving %s as %s (max_model_len %d)", engine.model_path,
                 ", ".join([*state.settings.served_model_names, *state.adapters.names()]), engine.max_model_len)

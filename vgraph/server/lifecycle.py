@@ -65,7 +65,7 @@ def serve(settings: ServerSettings, engine: Engine, *, host: str, port: int,
         asyncio.get_running_loop().call_later(delay, _request_exit, server)
 
     engine.on_fatal = on_fatal
-    app = build_app(settings, engine)
+    app = build_app(settings, engine, tune_gc=True)
     guard = ConnectionGuard(_connection_limits(settings))
     config = uvicorn.Config(app, host=host, port=port, log_config=None,
                             log_level=(settings.uvicorn_log_level or log_level).lower(),

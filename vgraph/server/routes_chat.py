@@ -122,8 +122,8 @@ class _Chat:
         start, end = tracker.new_tokens(len(c.token_ids))
         logprobs = self._logprobs(c, start, end) if end > start else None
         reader = self.readers.get(c.index)
-        if reader is None:
-            delta: dict[str, Any] = {"content": text} if text else {}
+        if reader is None:  # new tokens without text yet stream as empty content (see routes_completions)
+            delta: dict[str, Any] = {"content": text} if text or end > start else {}
             reason = c.finish_reason
         else:  # tool calls: content and call deltas from the text sent so far
             delta = reader.delta(c.text[:tracker.sent_chars], finished)

@@ -159,14 +159,18 @@ class _Completion:
         finished = c.finish_reason is not None
         text = tracker.text_delta(c.text, finished)
         logprobs = None
+        start, end = tracker.new_tokens(len(c.token_ids))
         if self.params.logprobs is not None:
-            start, end = tracker.new_tokens(len(c.token_ids))
             if end > start:
                 logprobs, offsets[key] = completion_logprobs(c.token_ids[start:end], (c.logprobs or [])[start:end],
                                                              self.state.token_texts, offsets[key])
             if first and self.params.prompt_logprobs is not None:
                 logprobs = join_logprobs(self._prompt_part(output), logprobs)
-        if not (text or logprobs or finished):
+        # New tokens are streamed even when they add no text yet (a partial UTF-8 character, a
+        # held-back stop-string prefix), as vLLM does: a client sees one event per step, not a
+        # gap as long as the run of such tokens (issue 33: random tokens of a byte-level
+        # vocabulary complete no character ~25% of the time).
+        if not (text or logprobs or finished or end > start):
             return None
         tracker.finished = finished
         return {"index": self._index(p, c), "text": text, "logprobs": logprobs,
