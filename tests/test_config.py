@@ -79,6 +79,7 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "cudagraph_capture_sizes": [(["--cudagraph-capture-sizes", "1", "2", "8"], [1, 2, 8])],
     "max_capture_size": [(["--max-capture-size", "64"], 64)],
     "tensor_parallel_size": [(["--tensor-parallel-size", "2"], 2)],
+    "pipeline_parallel_size": [(["--pipeline-parallel-size", "2"], 2), (["-pp", "3"], 3)],
     "distributed_backend": [(["--distributed-backend", "gloo"], "gloo")],
     "distributed_executor_backend": [(["--distributed-executor-backend", "mp"], "mp")],
     "placement_group_strategy": [(["--placement-group-strategy", "SPREAD"], "SPREAD")],

@@ -376,11 +376,16 @@ class CompileConfig:
 class ParallelConfig:
     """How the model is split over processes (vgraph/distributed/): tensor parallelism shards
     every layer's heads and MLP over ``tensor_parallel_size`` worker processes, one per device,
-    which all-reduce over torch.distributed (gloo on CPU, NCCL on CUDA: see ``resolved``)."""
+    which all-reduce over torch.distributed (gloo on CPU, NCCL on CUDA: see ``resolved``);
+    pipeline parallelism splits the decoder layers into ``pipeline_parallel_size`` stages of
+    that many ranks each, which pass activations point to point. Rank = stage * T + tp rank."""
 
     tensor_parallel_size: int = field(default=1, metadata=cli(
         "worker processes (one per device) that each hold 1/N of the attention heads, the MLP and the "
         "vocabulary, and their own KV cache; 1 runs the model in the engine's process", aliases=["-tp"]))
+    pipeline_parallel_size: int = field(default=1, metadata=cli(
+        "pipeline stages, each holding a contiguous slice of the decoder layers (and their KV cache) "
+        "on its own tensor_parallel_size ranks; activations pass from stage to stage", aliases=["-pp"]))
     # None: resolved from the device (gloo on CPU, nccl on CUDA).
     distributed_backend: Optional[str] = field(default=None, metadata=cli(
         "torch.distributed backend of the tensor-parallel group (default: gloo on CPU, nccl on CUDA)",
@@ -399,6 +404,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.pipeline_parallel_size, int) or self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {self.pipeline_parallel_size!r}")
         if self.distributed_backend is not None and self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"unsupported distributed_backend {self.distributed_backend!r}; choose one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}")
@@ -415,13 +422,14 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Engine ranks in all (each its own process)."""
-        return self.tensor_parallel_size
+        """Engine ranks in all (each its own process): T ranks in each of P stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def output_rank(self) -> int:
-        """The rank whose reply is a step's result (the one that samples for the engine)."""
-        return 0
+        """The rank whose reply is a step's result (the one that samples for the engine): tp
+        rank 0 of the last stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     @property
     def is_parallel(self) -> bool:
@@ -507,7 +515,7 @@ class EngineConfig:
         kind = torch.device(device).type
         parallel = self.parallel.resolved(kind)
         if parallel.distributed_executor_backend != "ray":  # Ray's ranks use the cluster's GPUs, not ours
-            _check_parallel_devices(device, self.parallel.tensor_parallel_size)
+            _check_parallel_devices(device, self.parallel.world_size)
         c = self.compile
         # Lists copied: a caller who changes its own lists later does not change this engine.
         compile_config = replace(c, custom_ops=c.resolved_custom_ops(kind, quantized),
@@ -577,20 +585,21 @@ class EngineConfig:
                    **parts["engine"])
 
 
-def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
-    """Tensor parallelism on CUDA puts rank r on ``cuda:r`` (restrict the choice with
-    CUDA_VISIBLE_DEVICES): there must be a device per rank, and a fixed ``cuda:N`` cannot hold
-    several ranks."""
-    if tensor_parallel_size == 1 or not device.startswith("cuda"):
+def _check_parallel_devices(device: str, world_size: int) -> None:
+    """Parallelism on CUDA puts rank r (of tensor_parallel_size x pipeline_parallel_size) on
+    ``cuda:r`` (restrict the choice with CUDA_VISIBLE_DEVICES): there must be a device per rank,
+    and a fixed ``cuda:N`` cannot hold several ranks."""
+    if world_size == 1 or not device.startswith("cuda"):
         return
     if device != "cuda":
-        raise ValueError(f"device {device!r} names one GPU, but tensor_parallel_size={tensor_parallel_size} "
-                         "puts rank r on cuda:r; pass device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"device {device!r} names one GPU, but {world_size} ranks (tensor_parallel_size x "
+                         "pipeline_parallel_size) put rank r on cuda:r; pass device='cuda' and choose the GPUs "
+                         "with CUDA_VISIBLE_DEVICES")
     visible = torch.cuda.device_count()
-    if tensor_parallel_size > visible:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA devices, "
-                         f"but {visible} {'is' if visible == 1 else 'are'} visible; ranks on several machines "
-                         "run on a Ray cluster (--distributed-executor-backend ray)")
+    if world_size > visible:
+        raise ValueError(f"{world_size} ranks (tensor_parallel_size x pipeline_parallel_size) need {world_size} "
+                         f"CUDA devices, but {visible} {'is' if visible == 1 else 'are'} visible; ranks on several "
+                         "machines run on a Ray cluster (--distributed-executor-backend ray)")
 
 
 # Where each engine argument lives: section name -> its dataclass ("engine": EngineConfig's own).

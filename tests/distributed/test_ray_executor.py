@@ -311,6 +311,22 @@ def test_a_killed_actor_is_named_and_nothing_is_left(ray_llm, cluster):
     _wait_until(lambda: _free_cpus(cluster) == 2.0, "the placement group was not removed")
 
 
+def test_pp2_over_ray_equals_one_rank_and_transformers(cluster, one_rank):
+    """Pipeline parallelism over Ray: a stage per node, activations sent between the actors."""
+    path = tiny_checkpoint(arch="llama")
+    with LLM(path, pipeline_parallel_size=2, enforce_eager=True, **ENGINE) as llm:
+        assert type(llm.engine.runner).__name__ == "RayExecutor"
+        assert len(set(llm.engine.runner.node_ids)) == 2, "one stage per node"
+        prompts = random_prompts(LENGTHS, llm.engine.vocab_size, seed=7)
+        got = _tokens(llm, prompts)
+        pids = list(llm.engine.runner.pids)
+    assert got == _tokens(one_rank, prompts)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0], f"{len(prompt)}-token prompt diverged"
+    _wait_until(lambda: not any(pid_alive(p) for p in pids), "an actor outlived the engine")
+    _wait_until(lambda: _free_cpus(cluster) == 2.0, "the placement group was not removed")
+
+
 def test_serve_over_ray_runs_the_engine_process_and_leaves_nothing(cluster, one_rank):
     from tests.server.conftest import ServerProcess
 

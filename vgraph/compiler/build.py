@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import EngineConfig
-from ..distributed.state import tp_group
+from ..distributed.state import pp_stage
 from ..paths import cache_dir
 from .cache import CompileCache, stable_hash
 from .cache_key import (RANK, WORLD_SIZE, identity_problems, is_user_pass, key_fields, key_summary, model_layout,
@@ -96,9 +96,9 @@ def _session(model: torch.nn.Module, config: EngineConfig, hf_config: Any, devic
     from .compiled_forward import CompiledForward
     manager = build_pass_manager(config)
     compile_config = _cache_policy(config.compile, manager)
-    tp = tp_group()  # each rank compiles its own shard's graph: its own cache entry
+    ranks = pp_stage()  # each rank compiles its own shard's (and stage's) graph: its own cache entry
     fields = key_fields(config, hf_config, model.dtype, manager.uuid() if manager else None, device,
-                        model_layout(model), tp.rank, tp.world_size)
+                        model_layout(model), ranks.rank, ranks.world_size)
     key = stable_hash(fields)
     description = {**entry_description(model, config, hf_config, manager, device),
                    "key": key_summary(fields, pass_uuids(manager))}

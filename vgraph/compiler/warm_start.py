@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..config import EngineConfig
-from ..distributed.state import tp_group
+from ..distributed.state import pp_stage
 from . import captured_graph as captured
 from . import runnable as runnables
 from .cache import stable_hash
@@ -58,8 +58,8 @@ def warm_key(config: EngineConfig, hf_config: Any, model: torch.nn.Module, devic
     passes = _pass_package_digest() if c.enable_fusion else "off"
     if passes is None:
         return None
-    tp = tp_group()
-    fields = key_fields(config, hf_config, model.dtype, passes, device, model_layout(model), tp.rank, tp.world_size)
+    ranks = pp_stage()  # the global rank: its shard and stage
+    fields = key_fields(config, hf_config, model.dtype, passes, device, model_layout(model), ranks.rank, ranks.world_size)
     fields["warm"] = {"runnable_format": runnables.RUNNABLE_FORMAT, "allreduce_fusion": c.enable_allreduce_fusion}
     return stable_hash(fields)
 

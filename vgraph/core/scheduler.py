@@ -94,7 +94,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, max_loras: Optional[int] = None,
-                 schedule_ahead: bool = False) -> None:
+                 schedule_ahead: bool = False, microbatches: int = 1) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -111,6 +111,9 @@ class Scheduler:
         self.max_loras = max_loras  # different adapters the running requests may use (None: no LoRA)
         # A decode whose input token is still pending may be scheduled (the runner feeds it).
         self.schedule_ahead = schedule_ahead
+        # Pipeline stages: each step takes at most 1/microbatches of the requests, so the steps in
+        # flight (one per stage) share them instead of one step taking all and the others none.
+        self.microbatches = microbatches
 
     # -- queue management -------------------------------------------------------------------
 
@@ -166,19 +169,20 @@ class Scheduler:
         """Builds the next batch and advances each scheduled request past it (its sampled
         token, if any, pending until ``update``)."""
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        seats = -(-(len(self.running) + len(self.waiting)) // self.microbatches)  # requests this step may take
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, seats)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, seats)
         plan = self.planner.plan(output.scheduled)
         for item in output.scheduled:
             item.request.num_computed_tokens = item.end_position
             item.request.num_pending_tokens += item.produces_token
         return replace(output, plan=plan)
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, seats: int) -> int:
         """Schedules running requests in order, preempting the newest when blocks run out."""
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(output.scheduled) < seats:
             request = self.running[index]
             num_new = min(self._num_schedulable(request), budget)
             if num_new > 0:
@@ -224,13 +228,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, seats: int) -> None:
         """Admits waiting requests FIFO while budget, seats and blocks last (past those whose
         adapter does not fit the slots, which keep their place)."""
         passed: list[Request] = []
         # The running requests' adapters, when LoRA bounds them (no walk over running otherwise).
         adapters = set() if self.max_loras is None else {r.lora_id for r in self.running if r.lora_id is not None}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and len(output.scheduled) < seats:
             request = self.waiting[0]
             if request.num_pending_tokens:  # preempted while a step ran: back once its token is known
                 break

@@ -1,4 +1,4 @@
-"""The multiprocessing executor: tensor parallelism over N spawned worker processes.
+"""The multiprocessing executor: tensor and pipeline parallelism over T x P spawned worker processes.
 
 Design: every rank, rank 0 included, is its own process, and the engine process holds no model.
 Why not rank 0 inside the engine: a rank blocked in a collective cannot notice that another rank
@@ -11,7 +11,9 @@ scheduler's plan (core/step_plan.py), which carries only what changed since the 
 
 The scheduler runs once, in the engine; each step is broadcast to all ranks, which build the
 same batch and run the same forward (their all-reduces meet in the middle) and the same sampler
-on the same gathered logits; rank 0's result is the step's. Workers are spawned (never forked: a
+on the same gathered logits; the output rank's result is the step's (rank 0, or with pipeline
+stages tp rank 0 of the last stage, whose stage 0 starts step N + 1 while the last stage still
+runs step N: the ranks read their connections in order). Workers are spawned (never forked: a
 forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
 asks each to stop, then terminates what is left; it runs at interpreter exit too.
 
@@ -70,6 +72,7 @@ class _Worker:
     rank: int
     process: Any  # multiprocessing.Process (spawn context)
     conn: Connection
+    place: str = ""  # where it is, for messages: its pipeline stage and tp rank when there are stages
 
 
 def free_port() -> int:
@@ -288,8 +291,16 @@ class RankExecutor:
         except (EOFError, OSError):
             raise self._died(rank) from None
         if status == "error":
+            killed = self._killed_other(rank)
+            if killed is not None:  # the cause: a neighbouring stage's send/recv failed because it is gone
+                raise killed
             raise WorkerFailed(rank, f"{self._label(rank)} failed; the engine stopped every rank.\n{payload}")
         return payload
+
+    def _killed_other(self, reporter: int) -> Optional[WorkerFailed]:
+        """The failure of another rank killed by a signal (it could not say why), if the
+        executor can tell: a pipeline stage's error is then only the consequence."""
+        return None
 
     def _fail(self, failure: WorkerFailed) -> None:
         self._failure = failure
@@ -307,8 +318,8 @@ class MultiprocExecutor(RankExecutor):
         self._workers = self._spawn(config)
         self._conns = [w.conn for w in self._workers]
         self._start(_STARTUP_HINT)
-        logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
-                    ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
+        logger.info("%s: %d ranks (pids %s), %s backend, %d torch threads each", parallelism_kind(config.parallel),
+                    self.world_size, ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
                     threads_per_rank(self.world_size))
 
     def _spawn(self, config: EngineConfig) -> list[_Worker]:
@@ -324,7 +335,7 @@ class MultiprocExecutor(RankExecutor):
             process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
             process.start()
             child.close()  # the worker's end lives in the worker: EOF here when it dies
-            workers.append(_Worker(rank, process, parent))
+            workers.append(_Worker(rank, process, parent, _place(config, rank)))
         return workers
 
     def _wait(self, pending: list[Connection]) -> list[Connection]:
@@ -336,17 +347,26 @@ class MultiprocExecutor(RankExecutor):
         return [r for r in ready if r in pending]
 
     def _died(self, rank: int) -> WorkerFailed:
-        return _died(self._workers[rank])
+        # A rank that exited because a neighbouring stage was killed (its send/recv broke) is
+        # only the consequence: the killed one is named.
+        return self._killed_other(rank) or _died(self._workers[rank])
 
     def _find_dead(self) -> Optional[WorkerFailed]:
         for w in self._workers:
             w.process.join(0.5)
             if not w.process.is_alive():
-                return _died(w)
+                return self._died(w.rank)  # a killed rank first: the others may have died of it
         return None
 
     def _label(self, rank: int) -> str:
-        return f"tensor-parallel worker rank {rank} (pid {self._workers[rank].process.pid})"
+        worker = self._workers[rank]
+        return f"tensor-parallel worker rank {rank} (pid {worker.process.pid}){worker.place}"
+
+    def _killed_other(self, reporter: int) -> Optional[WorkerFailed]:
+        for w in self._workers:  # one that fails by itself reports, then exits with code 1
+            if w.rank != reporter and not w.process.is_alive() and (w.process.exitcode or 0) < 0:
+                return _died(w)
+        return None
 
     def _wait_stopped(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -369,7 +389,26 @@ def _died(worker: _Worker) -> WorkerFailed:
     if code is not None and code < 0:
         how = f"signal {signal.Signals(-code).name}"
     return WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) died "
-                                     f"({how}); the engine stopped every rank")
+                                     f"({how}){worker.place}; the engine stopped every rank")
+
+
+def parallelism_kind(par: Any) -> str:
+    """The parallelism, as the startup line names it."""
+    t, p = par.tensor_parallel_size, par.pipeline_parallel_size
+    if p == 1:
+        return "tensor parallelism"
+    if t == 1:
+        return f"pipeline parallelism ({p} stages)"
+    return f"tensor x pipeline parallelism ({t} ranks x {p} stages)"
+
+
+def _place(config: EngineConfig, rank: int) -> str:
+    """``, pipeline stage s of P, tp rank t`` with stages; empty without."""
+    par = config.parallel
+    if par.pipeline_parallel_size == 1:
+        return ""
+    stage, tp_rank = divmod(rank, par.tensor_parallel_size)
+    return f", pipeline stage {stage} of {par.pipeline_parallel_size}, tp rank {tp_rank}"
 
 
 def _stop(workers: list[_Worker]) -> None:

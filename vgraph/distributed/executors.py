@@ -70,10 +70,12 @@ def make_executor(config: "EngineConfig", hf_config: Any) -> Any:
         from ..worker.runner import ModelRunner
         return ModelRunner(config)
     from ..models.llama import arch_spec
+    from .pipeline import stage_layers
     from .sharding import check_divisible
     spec = arch_spec(hf_config)
     check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
                     spec.intermediate_size)
+    stage_layers(spec.num_layers, config.parallel.pipeline_parallel_size)  # every stage gets a layer
     if backend == "ray":
         from .ray_executor import RayExecutor
         return RayExecutor(config)

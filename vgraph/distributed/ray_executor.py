@@ -36,7 +36,7 @@ from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any, Optional
 
 from ..config import EngineConfig
-from .executor import RankExecutor, WorkerFailed, collective_timeout_s
+from .executor import RankExecutor, WorkerFailed, collective_timeout_s, parallelism_kind
 from .executors import RAY_ADDRESS_ENV
 from .worker import WorkerArgs, run_rank
 
@@ -251,8 +251,8 @@ class RayExecutor(RankExecutor):
             logger.info("ray: rank %d on node %s (node id %s), pid %d, device %s, niceness %d", rank,
                         place.node_ip, place.node_id[:12], place.pid, gpu, place.niceness)
         nodes = len({p.node_id for p in self._places if p is not None})
-        logger.info("tensor parallelism: %d ranks (pids %s) on %d Ray node(s), %s backend, placement %s",
-                    self.world_size, ", ".join(map(str, self.pids)), nodes, config.parallel.distributed_backend,
+        logger.info("%s: %d ranks (pids %s) on %d Ray node(s), %s backend, placement %s",
+                    parallelism_kind(config.parallel), self.world_size, ", ".join(map(str, self.pids)), nodes, config.parallel.distributed_backend,
                     config.parallel.placement_group_strategy)
 
     # ------------------------------------------------------------------ RankExecutor's questions

@@ -3,9 +3,12 @@ its shard and KV cache, then runs whatever the engine sends, step by step.
 
 The conversation over the pipe is request/reply, in order: the worker reads one command, runs it
 and replies before it reads the next, so when the engine keeps several steps in flight
-(``submit`` before the previous ``collect``) the replies come back in the order sent. Replies are ``("ok", payload)`` or, when anything fails, ``("error", traceback)`` and
-the process exits. Rank 0 replies with the step's result; the others with None (their sampled
-tokens equal rank 0's: the logits are the same after the gather).
+(``submit`` before the previous ``collect``; with pipeline stages stage 0 starts step N + 1
+while stage 1 runs step N) the replies come back in the order sent. Replies are
+``("ok", payload)`` or, when anything fails, ``("error", traceback)`` and the process exits. The
+output rank (tp rank 0 of the last stage) replies with the step's result; the others with None
+(their sampled tokens equal its own: the logits are the same after the gather; earlier stages
+sample nothing).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ ADD_LORA, REMOVE_LORA = "add_lora", "remove_lora"
 class WorkerArgs:
     config: EngineConfig  # resolved; the device is this rank's on CUDA
     rank: int
-    world_size: int
+    world_size: int  # every rank of every stage
     init_method: str
     threads: int
     collective_timeout_s: float
@@ -146,7 +149,7 @@ class RankWorker:
             torch.cuda.set_device(device)
         config = replace(args.config, device=str(device))
         init_tensor_parallel(args.rank, args.world_size, args.init_method, config.parallel.distributed_backend,
-                             args.collective_timeout_s, device)
+                             args.collective_timeout_s, device, config.parallel.pipeline_parallel_size)
         torch.manual_seed(config.model.seed)
         self.rank = args.rank
         self.is_output_rank = args.rank == config.parallel.output_rank

@@ -36,7 +36,7 @@ class LLM:
         ...) and ``EngineConfig`` itself (device, max_logprobs). ``compile_config`` gives a whole
         CompileConfig (CompileConfig keywords then override its fields, on a copy);
         ``enforce_eager=True`` is ``level="none"``. ``ParallelConfig``'s ``tensor_parallel_size``
-        runs the model in that many worker processes (``close()`` stops them). An unknown keyword is a TypeError naming it;
+        and ``pipeline_parallel_size`` run the model in T x P worker processes (``close()`` stops them). An unknown keyword is a TypeError naming it;
         a bad value, a ValueError naming the choices. See ``EngineConfig.from_kwargs``.
         """
         config = EngineConfig.from_kwargs(model, compile_config=compile_config, enforce_eager=enforce_eager,

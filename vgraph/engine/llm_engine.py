@@ -93,13 +93,17 @@ class LLMEngine:
                                                 sorted(self.eos_token_ids))
         lora = self.config.lora
         overlap = self.config.scheduler.async_scheduling
+        stages = self.config.parallel.pipeline_parallel_size
+        # Pipeline stages: a first stage never samples, so a request waits for its token (no
+        # schedule-ahead) and the P steps in flight hold disjoint decodes, one per stage.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len, lora.max_loras if lora.enable_lora else None,
-                                   schedule_ahead=overlap)
+                                   schedule_ahead=overlap and stages == 1, microbatches=stages)
         # Steps submitted to the runner and not yet collected, with the groups each scheduled
-        # first; overlapped scheduling keeps one more in flight than the serial loop.
+        # first; overlapped scheduling keeps one more in flight than the serial loop, pipeline
+        # parallelism one per stage.
         self._in_flight: deque[tuple[SchedulerOutput, set[str]]] = deque()
-        self._max_in_flight = 2 if overlap else 1
+        self._max_in_flight = stages if stages > 1 else (2 if overlap else 1)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, tuple[str, int]] = {}  # sequence id -> (request id, its index)
         ready = time.perf_counter() - start

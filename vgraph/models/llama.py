@@ -21,6 +21,15 @@ its rank's shard (heads, MLP columns, vocabulary rows; sharding.py says which) a
 calls a functional all-reduce after each row-parallel projection and the embedding, so the
 residual add and RMSNorm that follow see the full sum, in the same form as at one rank.
 
+Pipeline parallelism (vgraph/distributed/pipeline.py): built with a ``PPStage`` of P stages,
+the module holds only its stage's decoder layers (the others are ``MissingLayer`` placeholders,
+so parameter names stay the checkpoint's and other stages' weights are skipped at load), the
+embedding only on the first stage and the final norm and lm_head only on the last. A stage's
+forward keeps the two-tensor signature: the first stage reads token ids, a later one reads the
+previous stage's ``[T, 2 * hidden]`` output (hidden state | residual stream) in their place; a
+stage that is not last returns that pair the same way instead of the normed hidden state. Its
+attention layers index the stage's own KV caches (0 .. its layer count - 1).
+
 Multi-LoRA (vgraph/lora/): built with a ``LoRAConfig``, each of the four projections of a layer
 gets a ``LoRAProjection`` beside it (stacked adapter slots, mapped onto the fused q|k|v and
 gate|up output slices) whose ``vgraph::lora_add`` adds each row's adapter to the projection's
@@ -44,7 +53,8 @@ from vgraph.ops.linear import packing_enabled
 
 from ..distributed.collectives import all_gather_last_dim, all_reduce
 from ..distributed.sharding import check_divisible, shard_for_rank, shard_lora, vocab_range, vocab_rows
-from ..distributed.state import TPGroup
+from ..distributed.pipeline import stage_layers
+from ..distributed.state import PPStage, TPGroup
 from ..lora.adapter import LoRATargets
 from ..lora.config import LoRAConfig
 from ..lora.layers import LoRAProjection
@@ -285,8 +295,16 @@ class MLP(nn.Module):
         return all_reduce(down, self.tp)
 
 
+class MissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no parameters, never run."""
+
+    def forward(self, *args: Any) -> None:
+        raise RuntimeError("this decoder layer belongs to another pipeline stage")
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, layer_idx: int, opts: LayerOptions) -> None:
+        """``layer_idx``: the layer's KV cache among this stage's (its global index with one stage)."""
         super().__init__()
         self.self_attn = Attention(spec, layer_idx, opts)
         self.mlp = MLP(spec, opts)
@@ -308,12 +326,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, opts: LayerOptions) -> None:
+    def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding, opts: LayerOptions,
+                 pp: Optional[PPStage] = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, opts.dtype, opts.device, opts.tp)
+        self.pp = pp or PPStage()
+        self.layer_range = stage_layers(spec.num_layers, self.pp.size)[self.pp.index]
+        start = self.layer_range.start
+        self.embed_tokens: Optional[Embedding] = None
+        if self.pp.is_first:
+            self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size, opts.dtype, opts.device, opts.tp)
         self.rotary_emb = rotary
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, opts) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i - start, opts) if i in self.layer_range else MissingLayer()
+                                    for i in range(spec.num_layers))
+        self.norm: Optional[RMSNorm] = None
+        if self.pp.is_last:
+            self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, opts)
         # Each row's LoRA slot (-1: none), filled in place before a forward (set_lora_token_slots
         # of the causal LM). A buffer, so the compiled graph reads it as an input at a fixed
         # address; its first T entries are sliced in the graph, so they carry the token
@@ -326,21 +353,38 @@ class LlamaModel(nn.Module):
     @property
     def layout_name(self) -> str:
         """Its kind in the compile cache key: with LoRA, the slot buffer's length is a static
-        shape of the graph; without, the class name, as before LoRA existed."""
-        if self.lora_token_slots is None:
-            return type(self).__name__
-        return f"{type(self).__name__}[lora_tokens={self.lora_token_slots.shape[0]}]"
+        shape of the graph; with pipeline stages, the stage and its layers (each stage traces
+        another graph); otherwise the class name, as before either existed."""
+        name = type(self).__name__
+        if self.pp.size > 1:
+            name += f"[stage={self.pp.index}/{self.pp.size},layers={self.layer_range.start}-{self.layer_range.stop}]"
+        if self.lora_token_slots is not None:
+            name += f"[lora_tokens={self.lora_token_slots.shape[0]}]"
+        return name
 
-    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def own_layers(self) -> list[tuple[int, DecoderLayer]]:
+        """(global index, layer) of the decoder layers this stage holds."""
+        return [(i, self.layers[i]) for i in self.layer_range]
+
+    def forward(self, inputs: Tensor, positions: Tensor) -> Tensor:
+        """``inputs``: token ids [T] on the first stage, else the previous stage's [T, 2 * hidden]."""
+        hidden, residual = self._stage_inputs(inputs)
         rope = self.rotary_emb(positions, hidden.dtype)  # gathered once, used by every layer
         lora_slots = None
         if self.lora_token_slots is not None:
-            lora_slots = self.lora_token_slots[:input_ids.shape[0]]
-        for layer in self.layers:
-            hidden, residual = layer(rope, hidden, residual, lora_slots)
+            lora_slots = self.lora_token_slots[:inputs.shape[0]]
+        for i in self.layer_range:
+            hidden, residual = self.layers[i](rope, hidden, residual, lora_slots)
+        if self.norm is None:  # not the last stage: hand on the hidden state and the residual stream
+            return torch.cat([hidden, residual], dim=-1)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _stage_inputs(self, inputs: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        if self.embed_tokens is not None:
+            return self.embed_tokens(inputs), None
+        hidden, residual = inputs.chunk(2, dim=-1)
+        return hidden, residual
 
 
 # HF projection name -> (our fused projection, shard) for weights stored separately in HF.
@@ -385,7 +429,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, device: torch.device | str,
                  max_model_len: Optional[int] = None, use_custom_ops: bool = True,
                  quant_config: Optional[Fp8Config] = None, tp: Optional[TPGroup] = None,
-                 lora_config: Optional[LoRAConfig] = None) -> None:
+                 lora_config: Optional[LoRAConfig] = None, pp: Optional[PPStage] = None) -> None:
         super().__init__()
         check_supported(hf_config, max_model_len)
         spec = arch_spec(hf_config)
@@ -396,7 +440,10 @@ class LlamaForCausalLM(nn.Module):
         check_divisible(n, spec.num_heads, spec.num_kv_heads, spec.intermediate_size)
         local = replace(spec, num_heads=spec.num_heads // n, num_kv_heads=spec.num_kv_heads // n,
                         intermediate_size=spec.intermediate_size // n)
-        self.num_layers, self.num_heads = spec.num_layers, local.num_heads
+        self.pp = pp or PPStage()
+        # Decoder layers of this stage: all of them with one stage (what its KV cache holds).
+        self.num_layers = len(stage_layers(spec.num_layers, self.pp.size)[self.pp.index])
+        self.num_heads = local.num_heads
         self.num_kv_heads, self.head_dim = local.num_kv_heads, spec.head_dim
         self.vocab_size, self.hidden_size = spec.vocab_size, spec.hidden_size
         self.softmax_scale = spec.head_dim ** -0.5
@@ -407,10 +454,17 @@ class LlamaForCausalLM(nn.Module):
         max_position = max(hf_config.max_position_embeddings, max_model_len or 0)
         rotary = RotaryEmbedding(spec.head_dim, max_position, rope_parameters(hf_config), device)
         opts = LayerOptions(dtype, device, use_custom_ops, quant_config, self.tp, lora_config)
-        self.model = LlamaModel(local, rotary, opts)
+        self.model = LlamaModel(local, rotary, opts, self.pp)
+        # Only a stage that is not last hands on every row: the tail may run on sampled rows alone.
+        self.row_wise_tail = self.pp.is_last
         # Never quantized: the output distribution is most sensitive to its precision.
-        self.lm_head = Linear(spec.hidden_size, vocab_rows(spec.vocab_size, n), False, dtype, device)
-        if spec.tie_word_embeddings:
+        self.lm_head: Optional[Linear] = None
+        if self.pp.is_last:
+            self.lm_head = Linear(spec.hidden_size, vocab_rows(spec.vocab_size, n), False, dtype, device)
+        # Tied embeddings share one tensor when one stage holds both; a last stage that is not the
+        # first loads the embedding's checkpoint tensor into its own lm_head.
+        self._shared_lm_head = spec.tie_word_embeddings and self.pp.size == 1
+        if self._shared_lm_head:
             self.lm_head.weight = self.model.embed_tokens.weight
         # CPU float32 projections run vgraph's packed GEMM (PackedLinear in models/linear.py), with the
         # ops switch on or off: it picks how norms and activations are written, not the GEMM.
@@ -419,7 +473,7 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_cache_scales(self) -> list[tuple[Tensor, Tensor]]:
         """Each layer's (k_scale, v_scale) for an fp8 KV cache: one-element float32 tensors."""
-        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in self.model.layers]
+        return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for _, layer in self.model.own_layers()]
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden]."""
@@ -440,7 +494,7 @@ class LlamaForCausalLM(nn.Module):
 
     def lora_projections(self) -> list[tuple[int, LoRAProjection]]:
         """(layer index, slots) of every adapted projection; empty without LoRA."""
-        return [(i, module) for i, layer in enumerate(self.model.layers)
+        return [(i, module) for i, layer in self.model.own_layers()
                 for module in (layer.self_attn.qkv_lora, layer.self_attn.o_lora, layer.mlp.gate_up_lora,
                                layer.mlp.down_lora) if module is not None]
 
@@ -479,7 +533,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[Target] = set()
         unexpected: list[str] = []
         for name, tensor in weights:
-            if self._load_kv_scale(name, tensor):
+            if self._on_other_stage(name) or self._load_kv_scale(name, tensor):
                 continue
             target = self._map_name(name)
             if target is None:
@@ -494,6 +548,19 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint does not match {type(self).__name__}: unexpected "
                              f"weights {sorted(unexpected)}; missing weights {missing}")
         self._process_after_loading()
+
+    def _on_other_stage(self, hf_name: str) -> bool:
+        """Whether a checkpoint weight belongs to another pipeline stage (never loaded here)."""
+        if self.pp.size == 1:
+            return False
+        if hf_name.startswith(_LAYER_PREFIX):
+            index = hf_name[len(_LAYER_PREFIX):].partition(".")[0]
+            return index.isdigit() and int(index) not in self.model.layer_range
+        if hf_name.startswith("model.embed_tokens."):
+            return not self.pp.is_first and not (self.pp.is_last and self.spec.tie_word_embeddings)
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return not self.pp.is_last
+        return False
 
     def _load_kv_scale(self, hf_name: str, tensor: Tensor) -> bool:
         """Copies a KV cache scale (``_KV_SCALE_NAMES``) into its layer; False for other names.
@@ -517,7 +584,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Fp8Linear):
                 module.finalize()
         if self._pack_projections and packing_enabled():
-            pack_linears(self, skip={"lm_head"} if self.spec.tie_word_embeddings else set())
+            pack_linears(self, skip={"lm_head"} if self._shared_lm_head else set())
 
     def _quantize_linears(self) -> None:
         """Swaps every decoder projection for its fp8 form (the lm_head stays as it is).
@@ -537,6 +604,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name == "lm_head.weight" and self.spec.tie_word_embeddings:
             return None  # tied: the embedding is the output projection
+        if hf_name == "model.embed_tokens.weight" and self.model.embed_tokens is None:
+            return "lm_head.weight", None  # tied, on a last stage without the embedding
         if hf_name.endswith(".input_scale") and not self._static_fp8:
             return None  # calibration a dynamic-activation fp8 checkpoint may carry unused
         parts = hf_name.split(".")

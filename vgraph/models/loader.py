@@ -22,7 +22,7 @@ from torch import nn
 
 from vgraph.config import ModelConfig, resolve_dtype
 
-from ..distributed.state import tp_group
+from ..distributed.state import pp_stage, tp_group
 from ..lora.config import LoRAConfig
 from .checkpoint_record import (CheckpointRecords, ModelConfigView, config_view, record_tokenizer,
                                 recorded_tokenizer)
@@ -193,6 +193,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str, use_custom
     quant = resolve_quantization(model_config.quantization, hf_config)
     dtype = resolve_dtype(model_config.dtype, checkpoint_dtype(hf_config))
     extra = {"lora_config": lora_config} if lora_config is not None else {}  # LoRA: see vgraph/lora
+    if pp_stage().size > 1:  # pipeline parallelism: this stage's layers only (vgraph/distributed/pipeline.py)
+        extra["pp"] = pp_stage()
     model = model_cls(hf_config, dtype, device, max_model_len=model_config.max_model_len,
                       use_custom_ops=use_custom_ops, quant_config=quant, tp=tp_group(), **extra)
     if model_config.load_format == "dummy":
@@ -205,12 +207,20 @@ def load_model(model_config: ModelConfig, device: torch.device | str, use_custom
     stats = LoadStats(weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
                       load_seconds=time.perf_counter() - start)
     dummy = ", dummy random weights" if model_config.load_format == "dummy" else ""
-    tp = tp_group()
+    tp, pp = tp_group(), pp_stage()
     shard = f", rank {tp.rank} of {tp.world_size}" if tp.is_parallel else ""
+    if pp.size > 1:
+        shard += f", stage {pp.index} of {pp.size} (layers %d-%d)" % _layer_span(model)
     logger.info("Loaded model %s (%s, %s%s%s%s): %s of weights in %.2f s", model_config.model,
                 hf_config.architectures[0], str(dtype).removeprefix("torch."), _describe(quant),
                 dummy, shard, format_bytes(stats.weights_bytes), stats.load_seconds)
     return model, hf_config, stats
+
+
+def _layer_span(model: nn.Module) -> tuple[int, int]:
+    """First and last decoder layer a pipeline stage holds."""
+    layers = model.model.layer_range
+    return layers.start, layers.stop - 1
 
 
 DUMMY_STD = 0.02  # transformers' default initializer_range

@@ -63,6 +63,16 @@ class FlatBatch:
         return hidden[self.sample_indices]
 
 
+@dataclass(frozen=True)
+class StageInput:
+    """What a pipeline stage after the first reads in place of token ids: the previous stage's
+    output, ``[T, width]`` in ``dtype`` (vgraph/distributed/pipeline.py). The builder makes it
+    zeros (padding rows and dummy steps keep them); the runner receives a real step's rows into it."""
+
+    width: int
+    dtype: torch.dtype
+
+
 @dataclass
 class _Rows:
     """A batch on the host as flat lists (one entry per token, or per sequence for ``q_lens``,
@@ -80,7 +90,12 @@ class _Rows:
 class BatchBuilder:
     """Builds ``FlatBatch``es for one runner: its block size, device and split-KV policy."""
 
-    def __init__(self, block_size: int, device: torch.device, num_kv_heads: int, max_model_len: int) -> None:
+    def __init__(self, block_size: int, device: torch.device, num_kv_heads: int, max_model_len: int,
+                 stage_input: Optional[StageInput] = None, last_stage: bool = True) -> None:
+        """``stage_input``: set on a pipeline stage after the first; ``last_stage`` False on a
+        stage whose every row goes on to the next (its tail never runs on sampled rows alone)."""
+        self.stage_input = stage_input
+        self.last_stage = last_stage
         self.block_size = block_size
         self.device = device
         self.num_kv_heads = num_kv_heads
@@ -102,9 +117,15 @@ class BatchBuilder:
         sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
         output_rows = sample_indices if self._tail_on_sampled_rows(step, decision, len(sample_rows),
                                                                    num_scheduled) else None
-        return FlatBatch(self._dev(np.asarray(rows.ids, dtype=np.int64)),
+        return FlatBatch(self._inputs(np.asarray(rows.ids, dtype=np.int64)),
                          self._dev(np.asarray(rows.positions, dtype=np.int64)), meta, sample_indices, sampled,
                          num_scheduled, output_rows)
+
+    def _inputs(self, ids: np.ndarray) -> torch.Tensor:
+        """Token ids, or on a later pipeline stage the zeros its received rows go into."""
+        if self.stage_input is None:
+            return self._dev(ids)
+        return torch.zeros((ids.shape[0], self.stage_input.width), dtype=self.stage_input.dtype, device=self.device)
 
     def _tail_on_sampled_rows(self, step: RunnerStep, decision: Decision, num_sampled: int,
                               num_scheduled: int) -> bool:
@@ -112,7 +133,8 @@ class BatchBuilder:
         step uses of the final hidden states, and fewer than its rows: a batch with prefill
         rows, none of whose requests wants prompt logprobs or pooled states. CPU only: the
         CUDA path has not run it yet, and its PIECEWISE graphs replay whole token buckets."""
-        if self.device.type != "cpu" or decision.path is Path.FULL or num_sampled >= num_scheduled:
+        if not self.last_stage or self.device.type != "cpu" or decision.path is Path.FULL \
+                or num_sampled >= num_scheduled:
             return False
         return not any(c.request.num_prompt_logprobs is not None or c.request.pooling_type is not None
                        for c in step.chunks)

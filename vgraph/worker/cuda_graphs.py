@@ -36,7 +36,7 @@ from ..compiler.capture_safety import CaptureRegion
 from ..compiler.piecewise_graphs import Phase, PiecewiseGraphs
 from ..config import CudaGraphMode
 from .runner_requests import RunnerStep
-from .batch import BatchBuilder, FlatBatch
+from .batch import BatchBuilder, FlatBatch, StageInput
 from .dispatch import BatchShape, Buckets, Decision, Path, choose
 from .dummy import DummySource
 
@@ -65,12 +65,17 @@ class DecodeBuffers:
     ``query_start_loc`` is ``0..B`` and is written once, here."""
 
     @torch.inference_mode()
-    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 stage_input: Optional[StageInput] = None) -> None:
+        """``stage_input``: on a later pipeline stage the inputs are the previous stage's rows."""
         # Inference tensors, like every other input the runner makes: the compiled forward
         # guards on that, and on Dynamo's frame an ordinary tensor would be a recompile.
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
         self.max_seqs = max_seqs
-        self.input_ids = torch.zeros(max_seqs, **long)
+        if stage_input is None:
+            self.input_ids = torch.zeros(max_seqs, **long)
+        else:
+            self.input_ids = torch.zeros((max_seqs, stage_input.width), dtype=stage_input.dtype, device=device)
         self.positions = torch.zeros(max_seqs, **long)
         self.slot_mapping = torch.full((max_seqs,), -1, **long)
         self.block_table = torch.zeros((max_seqs, max(1, max_blocks_per_seq)), **i32)
@@ -185,7 +190,7 @@ class ForwardRunner:
         self.decode_buffers: Optional[DecodeBuffers] = None
         if mode.has_full and self.buckets.full:
             max_blocks = -(-builder.max_model_len // builder.block_size)
-            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device)
+            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device, builder.stage_input)
         self.full_graphs: Optional[FullGraphs] = None
         self.piecewise_graphs: Optional[PiecewiseGraphs] = None
         self.dispatch_counts: Counter[tuple[Path, int]] = Counter()  # (path, padded size) -> batches
@@ -331,7 +336,8 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
       strided view of it), q and k after rotary (q + kv), the attention output (q, written
       in place by the attention op) and the residual (hidden), so 3q + 3kv + hidden per
       token; the last piece's output (hidden); the rotary cos and sin the first piece hands
-      on (head_dim); the staged input ids and positions (two int64);
+      on (head_dim); the staged input ids and positions (two int64; a later pipeline stage's
+      input is 2 x hidden activations instead of an id);
     - FULL: the persistent decode inputs and the hidden-state output.
     """
     full = list(buckets.full) if mode.has_full else []
@@ -339,8 +345,11 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
     elt = torch.empty((), dtype=model.dtype).element_size()
     q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     layer_io = 3 * q_width + 3 * kv_width + model.hidden_size
-    per_token = elt * (model.num_layers * layer_io + model.hidden_size + model.head_dim) + 2 * 8
+    # A later pipeline stage's input is the previous stage's [tokens, 2 x hidden], not an int64 id.
+    later_stage = getattr(model, "pp", None) is not None and not model.pp.is_first
+    inputs = 2 * model.hidden_size * elt if later_stage else 8
+    per_token = elt * (model.num_layers * layer_io + model.hidden_size + model.head_dim) + inputs + 8
     piece_buffers = per_token * max(pieces_sizes, default=0)
-    per_seq = model.hidden_size * elt + 3 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
+    per_seq = model.hidden_size * elt + inputs + 2 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
     full_buffers = per_seq * max(full, default=0)
     return int(piece_buffers + full_buffers)

@@ -9,6 +9,12 @@ builder, dispatcher, forward, sampler); capture builds its batches with the same
 The engine reads what it needs from ``num_blocks``, ``max_model_len`` (lowered to the KV
 cache's capacity when that is smaller) and ``startup``; nothing outside this package changes
 a runner.
+
+Under pipeline parallelism (vgraph/distributed/pipeline.py) the runner is one stage's: its
+model, KV caches and compiled forward cover the stage's layers only. Every stage builds the same
+batch from the same plan; a stage after the first receives the previous stage's rows into the
+batch's inputs before its forward, a stage before the last sends its rows on after it and
+samples nothing. Warm-up, profiling and capture run each stage alone, on zeros.
 """
 from __future__ import annotations
 
@@ -25,9 +31,11 @@ from vgraph.ops import build_cpu_kernels
 from ..compiler.counters import CompileCounters
 from ..config import CudaGraphMode, EngineConfig
 from ..core.step_plan import StepPlan
+from ..distributed.pipeline import StageLink
+from ..distributed.state import pp_stage
 from ..structured.bitmask import GrammarMasks
 from ..models.loader import load_model
-from .batch import BatchBuilder
+from .batch import BatchBuilder, StageInput
 from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
 from .dispatch import Buckets, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
@@ -87,7 +95,12 @@ class ModelRunner:
         self.sampler = Sampler()
         self.sampling = SamplingMetadataCache(self.vocab_size, self.device)
         self.requests = RunnerRequests()  # the runner's copy of every planned, unfinished request
-        self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len)
+        self.stage = pp_stage()
+        # Activations to and from the neighbouring stages; None with one stage.
+        self.link: Optional[StageLink] = StageLink(self.stage) if self.stage.size > 1 else None
+        stage_input = None if self.stage.is_first else StageInput(2 * m.hidden_size, m.dtype)
+        self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len,
+                                    stage_input, self.stage.is_last)
         min_forward_rows = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
                                 config.scheduler.max_num_batched_tokens, min_forward_rows)
@@ -291,14 +304,22 @@ class ModelRunner:
                 record: bool) -> LaunchedStep:
         """Build, forward on the dispatcher's path, logits of the sampled rows, sample. From the
         same forward: prompt logprobs (worker/prompt_logprobs.py) and pooled hidden states
-        (worker/pooling.py) for the requests that ask."""
+        (worker/pooling.py) for the requests that ask. A real step (``record``) passes its
+        activations between pipeline stages; a dummy step's stay in its stage."""
         batch, decision = graphs.build(step)
-        feed = pending_inputs(step, self.launched, self.device) if record else None
+        if record and not self.stage.is_first:
+            self.link.receive_into(batch.input_ids[:batch.num_scheduled])
+        # Only token ids can be pending (a first stage's); a later stage's inputs came in whole.
+        feed = pending_inputs(step, self.launched, self.device) if record and self.stage.is_first else None
         if feed is not None:
             feed.apply(batch.input_ids)
         if self.lora is not None:
             self._set_lora_slots(step)
         rows = graphs.run(batch, decision)
+        if not self.stage.is_last:
+            if record:
+                self.link.send(rows)
+            return LaunchedStep(step, record=record)
         prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits)
         pooled = pooled_chunks(rows, step) or None
         if not batch.sampled_requests:
