@@ -51,6 +51,8 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if value.get("method") in NOT_BUILT:  # before its own fields (a draft model's) are judged
+            cls(method=value["method"])
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
