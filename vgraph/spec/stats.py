@@ -9,12 +9,13 @@ if TYPE_CHECKING:
 
 
 def speculates(request: "Request") -> bool:
-    """Whether ``request``'s guesses can be verified exactly here: greedy decoding whose next
-    token depends on nothing but the logits (no logprobs to report per guess, no penalties
-    counting the guesses, no grammar, no min_tokens still banning EOS). Other requests decode
-    one token per step in the same batches."""
+    """Whether ``request``'s guesses can be verified exactly here: greedy (the guess kept when it
+    is the argmax) or sampled (rejection sampling: worker/sampler.py), with a next token that
+    depends on nothing but the logits (no logprobs to report per guess, no penalties counting
+    the guesses, no grammar, no min_tokens still banning EOS). Other requests decode one token
+    per step in the same batches."""
     params = request.sampling_params
-    return (params.greedy and params.logprobs is None and request.grammar is None and request.pooling is None
+    return (params.logprobs is None and request.grammar is None and request.pooling is None
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0 and len(request.output_token_ids) >= params.min_tokens)
 
