@@ -21,7 +21,7 @@ import torch
 from .timing import RESULTS_DIR, machine_info, write_results
 
 SUITES = ("ops", "offline", "startup", "compile", "serving", "serving-dp", "serving-engine-process", "decode",
-          "hardening", "fusion-study", "structured", "cpu-peers", "tensor-parallel", "host-overhead", "lora")
+          "hardening", "fusion-study", "structured", "cpu-peers", "tensor-parallel", "host-overhead", "lora", "spec-decode")
 
 
 def module_name(suite: str) -> str:
