@@ -101,3 +101,14 @@ def test_disable_by_batch_size_turns_guesses_off(plain):
     assert off.engine.stats().spec_num_drafts == 0, "three running sequences are above the limit"
     assert _tokens(off, REPEATING[:2], params) == _tokens(plain, REPEATING[:2], params)
     assert off.engine.stats().spec_num_drafts > 0, "two are not"
+
+
+def test_tensor_parallel_ranks_verify_alike(plain):
+    """Every rank runs the verify step on the same plan and accepts the same guesses."""
+    tp2 = _llm(True, tensor_parallel_size=2, enforce_eager=True)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        assert _tokens(tp2, REPEATING, params) == _tokens(plain, REPEATING, params)
+        assert tp2.engine.stats().spec_num_accepted_tokens > 0
+    finally:
+        tp2.close()
