@@ -186,15 +186,20 @@ def plan_groups(systems: list[str], per_llm_bytes: int, free_bytes: Optional[int
 
 
 def build_llm(path: str, device: str, max_seqs: int, options: dict, dummy: bool) -> tuple[Any, float]:
+    """An LLM sized for ``max_seqs`` sequences of CONTEXT + 1 tokens. ``options``: enforce_eager,
+    cudagraph_mode, and for the e2e suite async_scheduling (None: the engine's default) and
+    max_num_batched_tokens (default max(2048, max_seqs): a decode batch in one step)."""
     from vgraph import LLM
     from vgraph.config import CompileConfig
     eager = options.get("enforce_eager", False)
     config = CompileConfig(cudagraph_mode=options.get("cudagraph_mode"))
     start = time.perf_counter()
     llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", device=device, max_num_seqs=max_seqs,
-              max_num_batched_tokens=max(2048, max_seqs), block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks(max_seqs),
+              max_num_batched_tokens=options.get("max_num_batched_tokens", max(2048, max_seqs)),
+              block_size=BLOCK_SIZE, num_gpu_blocks=num_blocks(max_seqs),
               max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, enforce_eager=eager,
-              compile_config=config, load_format="dummy" if dummy else "auto")
+              compile_config=config, load_format="dummy" if dummy else "auto",
+              async_scheduling=options.get("async_scheduling"))
     if device == "cuda":
         torch.cuda.synchronize()
     return llm, time.perf_counter() - start
@@ -231,6 +236,12 @@ def bytes_per_step(model: torch.nn.Module, n: int, context: int = CONTEXT) -> in
     elt = torch.empty((), dtype=model.dtype).element_size()
     kv_row = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elt
     return int(weights + n * (context + 1) * kv_row + n * kv_row + n * model.vocab_size * 4)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter (a tied lm_head counted once): what a decode step
+    must read at least once, the floor the issue's copy-bandwidth fractions are taken against."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def copy_bandwidth_gbs(device: str) -> float:
@@ -357,8 +368,7 @@ def run_shape(name: str, device: str, sizes: list[int], reps: int, peaks: dict, 
             print(f"  built {sys_name} in {build_s[sys_name]:.1f} s", flush=True)
         model = built["eager"].engine.runner.model
         info.setdefault("params", sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
-        info.setdefault("weights_bytes", sum(p.numel() * p.element_size()
-                                             for p in {id(p): p for p in model.parameters()}.values()))
+        info.setdefault("weights_bytes", weights_bytes(model))
         del model
         group_rows.append(measure({s: built[s] for s in group}, device, sizes, peaks, reps))
         if len(groups) > 1:  # pairs: free the non-eager system before building the next

@@ -145,18 +145,30 @@ def left_pad(prompts: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class HFSystem:
-    """transformers ``AutoModelForCausalLM.generate``: fp32, greedy, EOS disabled.
+    """transformers ``AutoModelForCausalLM.generate``: fp32 (or ``dtype``), greedy, EOS disabled.
 
     ``generate`` has one ``max_new_tokens`` per call, so a batch runs until its longest request
     is done and each row is cut to its own length afterwards: the steps spent past a row's
     length are the price of static batching, and they count as time, not as tokens."""
 
-    def __init__(self, path: str, device: str) -> None:
-        from transformers import AutoModelForCausalLM
+    def __init__(self, path: str, device: str, dtype: torch.dtype = torch.float32, random_weights: bool = False,
+                 compile_mode: Optional[str] = "default") -> None:
+        """``random_weights``: ``path`` holds a config.json only (a ``load_format="dummy"`` folder,
+        perf/suites/decode.py), so the model is built from it with transformers' own random
+        init, on the device (drawing an 8B model's weights on the host would take minutes).
+        ``compile_mode``: the static-cache variant's ``torch.compile`` mode; None takes
+        transformers' own CompileConfig, what a user gets on a GPU by asking for the static cache."""
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # keep the run's output to the timings
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        if random_weights:
+            with torch.device(device):  # .to() below: a no-op unless from_config built it elsewhere
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+            self.model = self.model.to(device).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.compile_mode = compile_mode
         # generate() fills unset fields from model.generation_config (eos_token_id=1 here), so
         # EOS must be cleared there too, or passing eos_token_id=None would change nothing.
         self.model.generation_config.eos_token_id = None
@@ -170,7 +182,10 @@ class HFSystem:
         if self.static_compile:
             from transformers.generation.configuration_utils import CompileConfig
 
-            compile_config = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+            if self.compile_mode is None:
+                compile_config = CompileConfig()
+            else:
+                compile_config = CompileConfig(fullgraph=True, dynamic=False, mode=self.compile_mode)
             compile_config._compile_all_devices = True  # transformers auto-compiles on GPU only
             kw = {"cache_implementation": "static", "compile_config": compile_config}
         return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,

@@ -165,10 +165,12 @@ class ServerUnderTest:
 
 
 async def _one_stream(client: httpx.AsyncClient, url: str, index: int, max_tokens: int,
-                      scheduled: Optional[float] = None) -> dict[str, Any]:
+                      scheduled: Optional[float] = None,
+                      prompt_of: Callable[[int], str | list[int]] = _prompt) -> dict[str, Any]:
     """One streamed request, timed from inside its task, so an open-loop request that the event
-    loop started late is timed from its real send (the lateness is kept separately)."""
-    body = {"model": "demo-model-v1", "prompt": _prompt(index), "max_tokens": max_tokens, "temperature": 0,
+    loop started late is timed from its real send (the lateness is kept separately).
+    ``prompt_of(index)``: the prompt, text or token ids (the e2e suite sends fixed-length ids)."""
+    body = {"model": "demo-model-v1", "prompt": prompt_of(index), "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "logprobs": 0, "stream": True}
     sent = time.perf_counter()
     first: Optional[float] = None
@@ -229,14 +231,14 @@ def _level_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _closed_level(url: str, concurrency: int, num_requests: int, max_tokens: int,
-                        offset: int) -> dict[str, Any]:
+                        offset: int, prompt_of: Callable[[int], str | list[int]] = _prompt) -> dict[str, Any]:
     """A closed loop of ``concurrency`` workers until ``num_requests`` streams have finished."""
     records: list[dict[str, Any]] = []
     counter = iter(range(num_requests))
 
     async def worker(client: httpx.AsyncClient) -> None:
         for i in counter:
-            records.append(await _one_stream(client, url, offset + i, max_tokens))
+            records.append(await _one_stream(client, url, offset + i, max_tokens, prompt_of=prompt_of))
 
     async with _client(concurrency) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))

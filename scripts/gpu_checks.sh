@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Every GPU check of vgraph in one go, written for the device tool (one command, at most 10
+# minutes, a bare machine each time; /work/.library/device/README.md, ../shared/gpu/README.md).
+#
+#   here:  bash ../shared/gpu/fetch-wheels.sh .gpu-wheels      (the server's deps, ~10 MB, ignored by git)
+#   tool:  run(command="bash scripts/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=600)
+#   then, on the still-warm machine, what the summary's last line names, with the time left:
+#          run(command="GPU_CHECKS_BUDGET_S=200 bash scripts/gpu_checks.sh STEP ...", carry=[".gpu-wheels"])
+#
+# Steps, most important first (names to pass as arguments; default: all of them, in order):
+#   doctor       vgraph doctor: kernels, graph capture, the engine on this GPU
+#   e2e          python -m perf run e2e --device cuda --quick (the issue's GPU targets)
+#   e2e-full     the same without --quick (not in the default list: about 15 minutes)
+#   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
+#   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
+#   ops-check    vgraph ops check --device cuda (every Triton kernel vs its reference, fp8 ones too)
+#   lora-fp8     pytest -m gpu on the LoRA and fp8 tests; only when pytest-ops / pytest-rest did not pass
+#   decode       python -m perf run decode --device cuda --quick
+#   ops          python -m perf run ops --device cuda --quick
+#
+# Why it is shaped so: a call is cut at 10 minutes and only files under $OUT come back (at most
+# 8 of them). So each step has its own timeout, capped by what is left of GPU_CHECKS_BUDGET_S
+# (default 570 s), a step with under MIN_STEP_S left is skipped (it and any step cut by its
+# timeout are named in the summary's last line, the command for the next call), a failing step
+# does not stop the rest, and everything is written as it goes: $OUT/summary.txt (one line per step), $OUT/gpu_checks.log (every step's
+# output), $OUT/logs.tar.gz (per-step logs, results and plots, repacked after each step) and the
+# perf/results/*-cuda*.json files this run wrote. Without $OUT (run by hand) it writes to
+# ./gpu-checks-out.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-checks-out}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+LOG="$OUT/gpu_checks.log"
+LOGDIR=$(mktemp -d /tmp/gpu-checks-logs.XXXXXX)
+MARK=$(mktemp /tmp/gpu-checks-start.XXXXXX)  # the run's start: results newer than it are this run's
+BUDGET_S=${GPU_CHECKS_BUDGET_S:-570}
+MIN_STEP_S=${GPU_CHECKS_MIN_STEP_S:-30}
+START_S=$(date +%s)
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+: >"$SUMMARY"
+: >"$LOG"
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+bundle() {
+  # Results this run wrote (newer than its start), to $OUT as they are and into the archive.
+  local f
+  for f in $(find perf/results -maxdepth 1 -name '*-cuda*' -newer "$MARK" 2>/dev/null); do
+    case "$f" in *.json) cp -f "$f" "$OUT/" ;; esac
+    cp -f "$f" "$LOGDIR/"
+  done
+  tar -czf "$OUT/logs.tar.gz.tmp" -C "$LOGDIR" . 2>/dev/null && mv -f "$OUT/logs.tar.gz.tmp" "$OUT/logs.tar.gz"
+}
+
+declare -A STATUS
+SKIPPED=()
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - ($(date +%s) - START_S)))
+  if ((left < MIN_STEP_S)); then
+    STATUS[$name]=skipped
+    SKIPPED+=("$name")
+    say "$name: SKIPPED (${left} s of the ${BUDGET_S} s budget left)"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "===== $name (timeout ${limit} s): $*" | tee -a "$LOG"
+  local t0 rc
+  t0=$(date +%s)
+  timeout -k 15 "$limit" "$@" 2>&1 | tee -a "$LOG" "$LOGDIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  # The e2e suite's pass/fail lines for the issue's targets, where a reader looks first.
+  [[ $name == e2e* ]] && grep -E '^(target |  .* FAILED)' "$LOGDIR/$name.log" | sed "s/^/$name: /" >>"$SUMMARY"
+  if ((rc == 0)); then STATUS[$name]=pass; else STATUS[$name]=fail; fi
+  local how="FAIL (exit $rc)"
+  ((rc == 0)) && how=PASS
+  if ((rc == 124 || rc == 137)); then
+    how="TIMEOUT after ${limit} s"
+    SKIPPED+=("$name")  # cut short: worth a call of its own
+  fi
+  say "$name: $how in $(($(date +%s) - t0)) s"
+  bundle
+}
+
+setup() {
+  # The server's deps as wheels (the machine has no registry), then vgraph itself, editable.
+  # Every step runs under coreutils timeout, which signals the step's whole process group: a
+  # perf suite's vgraph serve children go with it rather than holding the GPU's memory.
+  if compgen -G ".gpu-wheels/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu-wheels/*.whl || return 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  else
+    echo "no .gpu-wheels/*.whl: vgraph serve, the served e2e rows and the server tests will fail"
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c 'import torch, vgraph; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+}
+
+run_step() {
+  case "$1" in
+    doctor) step doctor 150 "$PY" -m vgraph.cli doctor ;;
+    e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
+    e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
+    pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without
+      local xdist=()
+      "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
+      step pytest-ops 150 "$PY" -m pytest -m gpu "${xdist[@]}" -q -p no:cacheprovider tests/ops ;;
+    pytest-rest) step pytest-rest 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/ops ;;
+    ops-check) step ops-check 120 "$PY" -m vgraph.cli ops check --device cuda ;;
+    lora-fp8)
+      if [[ ${STATUS[pytest-ops]:-} == pass && ${STATUS[pytest-rest]:-} == pass ]]; then
+        say "lora-fp8: not rerun (pytest-ops and pytest-rest passed, and hold these tests)"
+      else
+        step lora-fp8 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/ops/test_lora_op.py tests/lora \
+          tests/ops/test_fp8.py tests/ops/test_kv_cache_fp8.py tests/engine/test_fp8_kv_cache.py
+      fi ;;
+    decode) step decode 300 "$PY" -m perf run decode --device cuda --quick ;;
+    ops) step ops 240 "$PY" -m perf run ops --device cuda --quick ;;
+    *) say "$1: unknown step (see the head of scripts/gpu_checks.sh)" ;;
+  esac
+}
+
+STEPS=("$@")
+((${#STEPS[@]})) || STEPS=(doctor e2e pytest-ops pytest-rest ops-check lora-fp8 decode ops)
+say "gpu_checks: steps ${STEPS[*]}; budget ${BUDGET_S} s; $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null)"
+# In this shell, not a pipeline's subshell: its PYTHONPATH must reach every step.
+# GPU_CHECKS_SKIP_SETUP=1: the environment is ready (a machine set up by hand, a dry run on CPU).
+if [[ ${GPU_CHECKS_SKIP_SETUP:-0} == 1 ]]; then
+  say "setup: skipped (GPU_CHECKS_SKIP_SETUP=1)"
+else
+  echo "===== setup" >>"$LOG"
+  setup >"$LOGDIR/setup.log" 2>&1
+  rc=$?
+  tee -a "$LOG" <"$LOGDIR/setup.log"
+  if ((rc == 0)); then say "setup: PASS"; else say "setup: FAIL (exit $rc): the steps below will likely fail too"; fi
+fi
+for s in "${STEPS[@]}"; do run_step "$s"; done
+if ((${#SKIPPED[@]})); then
+  say "next call: bash scripts/gpu_checks.sh ${SKIPPED[*]}"
+fi
+bundle
+say "gpu_checks: done in $(($(date +%s) - START_S)) s"
