@@ -328,7 +328,7 @@ class Scheduler:
                 stopped = self._append_tokens(request, scheduled, result)
                 new_token_requests.append(request)
                 end -= len(scheduled.draft_token_ids) - request.num_step_tokens + 1  # rejected guesses
-            if request.status is RequestStatus.RUNNING:
+            if request.status is not RequestStatus.PREEMPTED:  # running, or finished by this step
                 if scheduled.draft_token_ids:  # never scheduled ahead: nothing ran past this chunk
                     request.num_computed_tokens = end
                 self.kv_cache_manager.cache_blocks(request, end)
