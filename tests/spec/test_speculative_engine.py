@@ -112,3 +112,16 @@ def test_tensor_parallel_ranks_verify_alike(plain):
         assert tp2.engine.stats().spec_num_accepted_tokens > 0
     finally:
         tp2.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral"])
+def test_families_greedy_equal(arch):
+    """The other families' greedy tokens with guesses equal theirs without (eager: the compiled
+    path is covered on llama above)."""
+    def run(spec: bool) -> list:
+        llm = LLM(tiny_checkpoint(arch=arch), dtype="float32", device="cpu", enforce_eager=True, num_gpu_blocks=32,
+                  block_size=16, speculative_config=SPEC if spec else None)
+        out = _tokens(llm, REPEATING, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        return out, llm.engine.stats().spec_num_accepted_tokens
+    (plain, _), (spec, accepted) = run(False), run(True)
+    assert spec == plain and accepted > 0
