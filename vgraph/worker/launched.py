@@ -51,8 +51,9 @@ class LaunchedStep:
         self._record = record
         # Per sampling chunk: its request, its guesses, and where its id goes in the request's
         # output (behind a PENDING placeholder; None for a verifying request).
+        # (None: a step that samples nothing here, e.g. a pipeline stage before the last.)
         self._chunks = [(c.request, c.draft_token_ids, None if c.draft_token_ids or not record
-                         else _placeholder(c.request)) for c in step.chunks if c.produces_token]
+                         else _placeholder(c.request)) for c in step.chunks if c.produces_token and self.requests]
         self._host_ids, self._ready = _start_copy(token_ids)
         self._result: Optional[ModelRunnerOutput] = None
 
