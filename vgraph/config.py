@@ -30,6 +30,10 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 LOAD_FORMATS = ("auto", "dummy")
 DISTRIBUTED_BACKENDS = ("gloo", "nccl")
+# How the ranks run (vLLM's names): in the engine's process, one local process each, one Ray actor each.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+# Ray placement group strategies: how the ranks' bundles are spread over the cluster's nodes.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("fp8",)
 # The KV cache's dtypes, as vLLM spells them: auto is the model's dtype; fp8 and fp8_e4m3 are
@@ -382,6 +386,16 @@ class ParallelConfig:
     distributed_backend: Optional[str] = field(default=None, metadata=cli(
         "torch.distributed backend of the tensor-parallel group (default: gloo on CPU, nccl on CUDA)",
         choices=list(DISTRIBUTED_BACKENDS)))
+    # None: decided at resolution (vgraph/distributed/executors.py, choose_executor_backend).
+    distributed_executor_backend: Optional[str] = field(default=None, metadata=cli(
+        "how the ranks run: uni (the model in the engine's process; one rank), mp (one process per rank on "
+        "this machine) or ray (one Ray actor per rank on a Ray cluster's nodes). Default: uni for one rank; "
+        "ray when RAY_ADDRESS names a cluster or the ranks outnumber this machine's GPUs; else mp",
+        choices=list(EXECUTOR_BACKENDS)))
+    placement_group_strategy: str = field(default="PACK", metadata=cli(
+        "with the ray executor, how the ranks (one placement-group bundle each) spread over the nodes: PACK "
+        "(as few nodes as fit), SPREAD (as many as possible), STRICT_PACK (one node), STRICT_SPREAD (one "
+        "node per rank)", choices=list(PLACEMENT_STRATEGIES)))
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -389,6 +403,16 @@ class ParallelConfig:
         if self.distributed_backend is not None and self.distributed_backend not in DISTRIBUTED_BACKENDS:
             raise ValueError(f"unsupported distributed_backend {self.distributed_backend!r}; choose one of "
                              f"{', '.join(DISTRIBUTED_BACKENDS)}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"unsupported distributed_executor_backend {backend!r}; choose one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one rank in the engine's process, but "
+                             f"the world has {self.world_size} ranks; use 'mp' (this machine) or 'ray' (a cluster)")
+        if self.placement_group_strategy not in PLACEMENT_STRATEGIES:
+            raise ValueError(f"unsupported placement_group_strategy {self.placement_group_strategy!r}; choose one "
+                             f"of {', '.join(PLACEMENT_STRATEGIES)}")
 
     @property
     def world_size(self) -> int:
@@ -407,12 +431,16 @@ class ParallelConfig:
     def resolved(self, device_type: str) -> "ParallelConfig":
         """The backend decided for the device: NCCL needs CUDA tensors and gloo's CUDA support is
         partial, so each device has its one backend; an explicit mismatch is an error here rather
-        than a hang or crash inside the first collective."""
+        than a hang or crash inside the first collective. The executor is decided here too, once,
+        so the resolved config says how the ranks run (the engine-core process included)."""
+        from .distributed.executors import choose_executor_backend
+
         wanted = "nccl" if device_type == "cuda" else "gloo"
         if self.distributed_backend is not None and self.distributed_backend != wanted:
             raise ValueError(f"distributed_backend {self.distributed_backend!r} does not run on {device_type}; "
                              f"use {wanted!r} (or leave it unset)")
-        return replace(self, distributed_backend=wanted)
+        return replace(self, distributed_backend=wanted,
+                       distributed_executor_backend=choose_executor_backend(self, device_type))
 
 
 @dataclass(frozen=True)
@@ -484,7 +512,9 @@ class EngineConfig:
             raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings "
                              f"{max_position_embeddings}")
         kind = torch.device(device).type
-        _check_parallel_devices(device, self.parallel.tensor_parallel_size)
+        parallel = self.parallel.resolved(kind)
+        if parallel.distributed_executor_backend != "ray":  # Ray's ranks use the cluster's GPUs, not ours
+            _check_parallel_devices(device, self.parallel.tensor_parallel_size)
         c = self.compile
         # Lists copied: a caller who changes its own lists later does not change this engine.
         compile_config = replace(c, custom_ops=c.resolved_custom_ops(kind, quantized),
@@ -495,7 +525,7 @@ class EngineConfig:
         return replace(self, device=device, compile=compile_config,
                        cache=self.cache.resolved(kind),
                        scheduler=self.scheduler.resolved(kind, wanted, self.parallel.world_size),
-                       parallel=self.parallel.resolved(kind),
+                       parallel=parallel,
                        model=replace(self.model, model=str(model_path), max_model_len=wanted))
 
     @property
@@ -504,7 +534,8 @@ class EngineConfig:
                 and self.cache.block_size is not None and self.scheduler.max_num_batched_tokens is not None
                 and self.scheduler.async_scheduling is not None
                 and self.compile.custom_ops is not None and self.compile.cudagraph_mode is not None
-                and self.parallel.distributed_backend is not None)
+                and self.parallel.distributed_backend is not None
+                and self.parallel.distributed_executor_backend is not None)
 
     @property
     def torch_device(self) -> torch.device:
@@ -565,7 +596,8 @@ def _check_parallel_devices(device: str, tensor_parallel_size: int) -> None:
     visible = torch.cuda.device_count()
     if tensor_parallel_size > visible:
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} CUDA devices, "
-                         f"but {visible} {'is' if visible == 1 else 'are'} visible")
+                         f"but {visible} {'is' if visible == 1 else 'are'} visible; ranks on several machines "
+                         "run on a Ray cluster (--distributed-executor-backend ray)")
 
 
 # Where each engine argument lives: section name -> its dataclass ("engine": EngineConfig's own).

@@ -165,7 +165,8 @@ def test_parallel_config_is_checked():
 
 
 def _resolve(device: str, tp: int) -> EngineConfig:
-    config = EngineConfig.from_kwargs("m", device=device, tensor_parallel_size=tp)
+    # mp: ranks on this machine (left unset, more ranks than GPUs choose Ray where it is installed).
+    config = EngineConfig.from_kwargs("m", device=device, tensor_parallel_size=tp, distributed_executor_backend="mp")
     return config.resolved(model_path="m", max_position_embeddings=64, quantized=False)
 
 
@@ -217,3 +218,29 @@ def test_tp2_on_two_gpus_equals_transformers(mode):
         prompts = random_prompts(LENGTHS, llm.engine.vocab_size, seed=7)
         for prompt, out in zip(prompts, _generate(llm, prompts)):
             assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
+
+
+def test_a_rank_reads_the_next_step_while_its_large_reply_is_still_being_sent():
+    """Steps in flight: the engine writes step N+1 while the rank writes step N's reply. Both
+    larger than the connection's buffer would block both sides in ``send`` forever; the rank's
+    replies go out from their own thread, so it reads on and both complete."""
+    import threading
+
+    from vgraph.distributed.worker import _Replies
+
+    engine_end, rank_end = multiprocessing.Pipe()
+    big = b"x" * (8 << 20)  # far beyond any socket buffer
+    got = {}
+
+    def rank() -> None:
+        replies = _Replies(rank_end)
+        replies.send(("ok", big))  # step N's reply, while ...
+        got["plan"] = rank_end.recv()  # ... the engine is writing step N+1
+        replies.close()
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+    engine_end.send(big)  # would block forever against a rank blocked in its own send
+    assert engine_end.recv() == ("ok", big)
+    thread.join(30)
+    assert not thread.is_alive() and got["plan"] == big

@@ -1,6 +1,8 @@
 """Tensor parallelism over torch.distributed: the process's group (``state``), the collectives the
 model calls (``collectives``), how a checkpoint is cut into shards (``sharding``), and the
-executor that runs one worker process per rank (``executor``, ``worker``); each step every rank receives the scheduler's plain plan (core/step_plan.py).
+executors that run the ranks (``executors`` chooses: ``executor``, one process per rank on this
+machine; ``ray_executor``, one Ray actor per rank across nodes; both drive ``worker``'s rank
+loop); each step every rank receives the scheduler's plain plan (core/step_plan.py).
 
 vgraph writes no communication layer: ranks meet through ``torch.distributed`` (gloo on CPU, NCCL
 on CUDA), and the model's all-reduces are functional collectives, which Dynamo traces into the

@@ -14,6 +14,10 @@ same batch and run the same forward (their all-reduces meet in the middle) and t
 on the same gathered logits; rank 0's result is the step's. Workers are spawned (never forked: a
 forked child would share the parent's torch/OpenMP/CUDA state) and always cleaned up: ``close``
 asks each to stop, then terminates what is left; it runs at interpreter exit too.
+
+``RankExecutor`` is the engine's side of that protocol, shared with the Ray executor
+(ray_executor.py), whose ranks are actors on other machines reached over TCP; it also lets the
+engine keep several steps in flight (``submit`` now, ``collect`` the oldest result later).
 """
 from __future__ import annotations
 
@@ -26,9 +30,10 @@ import signal
 import socket
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..config import EngineConfig
 from ..core.outputs import ModelRunnerOutput
@@ -79,27 +84,48 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-class MultiprocExecutor:
-    """Runs ``config.parallel.tensor_parallel_size`` ranks; stands where a ModelRunner stands
-    for the engine (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``,
-    ``add_lora``, ``remove_lora``)."""
+class RankExecutor:
+    """The engine's side of the ranks, whatever starts them: one duplex connection per rank (a
+    pipe to a local process, a TCP connection to a Ray actor), over which every rank runs the
+    same loop (worker.run_rank). Stands where a ModelRunner stands for the engine
+    (``num_blocks``, ``max_model_len``, ``vocab_size``, ``startup``, ``execute``, ``submit`` /
+    ``collect``, ``add_lora``, ``remove_lora``, ``close``).
+
+    A subclass starts the ranks, sets ``_conns`` (by rank) and calls ``_start``; it says how to
+    wait for replies while watching for dead ranks (``_wait``), how to name a rank and tell how
+    it died, and how to stop every rank."""
 
     def __init__(self, config: EngineConfig) -> None:
         if not config.is_resolved:
-            raise ValueError("MultiprocExecutor takes a resolved EngineConfig (EngineConfig.resolved)")
+            raise ValueError(f"{type(self).__name__} takes a resolved EngineConfig (EngineConfig.resolved)")
         self.world_size = config.parallel.world_size
         self._output_rank = config.parallel.output_rank
         self._failure: Optional[WorkerFailed] = None
         self._closed = False
-        self._workers = self._spawn(config)
+        self._conns: list[Connection] = []
+        # One entry per submitted step, oldest first: its result, or None while its replies are
+        # still in the connections.
+        self._in_flight: deque[Optional[ModelRunnerOutput]] = deque()
+        # What the ranks report once ready (``_start``).
+        self.pids: list[int] = []
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.vocab_size = 0
+        self.startup: Optional[StartupReport] = None
+        self.compile_counters: Any = None
+        self.compile_cache = None  # lives in the workers: one entry per rank
+        self.compile_cache_folders: list[Optional[str]] = []
+
+    def _start(self, startup_hint: str = "") -> None:
+        """Waits for every rank's report (closing everything if any fails) and takes it in."""
         atexit.register(_close_at_exit, weakref.ref(self))
         try:
-            infos: list[WorkerInfo] = self._broadcast(None)
+            infos: list[WorkerInfo] = self._gather()
         except WorkerFailed as failure:
             self.close()
-            if " died " not in str(failure):  # it reported its own error
+            if " died " not in str(failure) or not startup_hint:  # it reported its own error
                 raise
-            raise WorkerFailed(failure.rank, f"{failure}{_STARTUP_HINT}") from None
+            raise WorkerFailed(failure.rank, f"{failure}{startup_hint}") from None
         except BaseException:
             self.close()
             raise
@@ -108,49 +134,43 @@ class MultiprocExecutor:
         self.num_blocks = min(info.num_blocks for info in infos)
         self.max_model_len = min(info.max_model_len for info in infos)
         self.vocab_size = infos[0].vocab_size
-        self.startup: StartupReport = infos[0].startup
+        self.startup = infos[0].startup
         self.compile_counters = infos[0].compile_counters
-        self.compile_cache = None  # lives in the workers: one entry per rank
         self.compile_cache_folders = [info.compile_cache_folder for info in infos]
-        logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
-                    ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
-                    threads_per_rank(self.world_size))
-
-    def _spawn(self, config: EngineConfig) -> list[_Worker]:
-        ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
-        level = logging.getLogger("vgraph").getEffectiveLevel()
-        workers = []
-        for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
-                              timeout, level)
-            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
-            process.start()
-            child.close()  # the worker's end lives in the worker: EOF here when it dies
-            workers.append(_Worker(rank, process, parent))
-        return workers
 
     # ------------------------------------------------------------------ the engine's calls
 
     def execute(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> ModelRunnerOutput:
         """Broadcasts the step; returns the output rank's result."""
-        if not plan.chunks:
-            return ModelRunnerOutput({}, None)
         self.submit(plan, grammar_masks)
         return self.collect()
 
     def submit(self, plan: StepPlan, grammar_masks: Optional[GrammarMasks] = None) -> None:
-        """Sends a step to every rank and returns at once; the ranks run their steps in the
-        order they were sent (each pipe is read in order), ``collect`` reads the results so."""
+        """Sends the step to every rank and returns at once: the engine may schedule the next
+        step while this one runs. Each rank answers its connection in order, so ``collect``
+        returns the steps' results in the order submitted. A step sent while a rank still runs
+        the previous one waits in the connection's buffer; a plan larger than that buffer makes
+        this call wait until the rank reads it (after it has sent its previous reply)."""
+        if not plan.chunks:
+            self._in_flight.append(ModelRunnerOutput({}, None))
+            return
         self._check_running()
-        self._guarded(self._send, (STEP, (plan, grammar_masks)))
+        self._send((STEP, (plan, grammar_masks)))
+        self._in_flight.append(None)  # its replies are still in the connections
 
     def collect(self) -> ModelRunnerOutput:
-        """The oldest submitted step's result (the output rank's reply)."""
+        """The oldest submitted step's result (waits for it)."""
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        done = self._in_flight.popleft()
+        if done is not None:
+            return done
         self._check_running()
-        return self._guarded(self._replies)[self._output_rank]
+        return self._gather()[self._output_rank]
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def add_lora(self, lora: Any) -> None:
         """Every rank reads and checks the adapter (each keeps its shard); a bad adapter raises
@@ -170,24 +190,49 @@ class MultiprocExecutor:
         return self._broadcast((COUNTERS, None))
 
     def close(self) -> None:
-        """Stops every worker (idempotent): asks them to finish, then terminates the rest."""
+        """Stops every rank (idempotent): asks them to finish, then stops what is left."""
         if self._closed:
             return
         self._closed = True
         if self._failure is None:
-            for w in self._workers:
-                with contextlib.suppress(OSError):  # a rank already gone: its sentinel says the rest
-                    w.conn.send((SHUTDOWN, None))
-            deadline = time.monotonic() + _GRACE_S
-            for w in self._workers:
-                w.process.join(max(0.0, deadline - time.monotonic()))
-        _stop(self._workers)
+            for conn in self._conns:
+                with contextlib.suppress(OSError):  # a rank already gone: the stop says the rest
+                    conn.send((SHUTDOWN, None))
+            self._wait_stopped(_GRACE_S)
+        self._stop_ranks()
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    # ------------------------------------------------------------------ the pipes
+    # ------------------------------------------------------------------ what a subclass says
+
+    def _wait(self, pending: list[Connection]) -> list[Connection]:
+        """The connections among ``pending`` with a reply (or EOF) to read; raises
+        ``WorkerFailed`` for a rank that died with its reply pending."""
+        raise NotImplementedError
+
+    def _died(self, rank: int) -> WorkerFailed:
+        """The failure of a rank whose connection closed (it died)."""
+        raise NotImplementedError
+
+    def _find_dead(self) -> Optional[WorkerFailed]:
+        """A rank that is no longer running, if any (after a connection broke)."""
+        raise NotImplementedError
+
+    def _label(self, rank: int) -> str:
+        """How errors name a rank, e.g. "tensor-parallel worker rank 1 (pid 42)"."""
+        raise NotImplementedError
+
+    def _wait_stopped(self, timeout: float) -> None:
+        """Lets the ranks that were told SHUTDOWN finish, for at most ``timeout`` seconds."""
+        raise NotImplementedError
+
+    def _stop_ranks(self) -> None:
+        """Stops every rank still running and releases what the executor holds (idempotent)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the connections
 
     def _check_running(self) -> None:
         if self._failure is not None:
@@ -195,53 +240,103 @@ class MultiprocExecutor:
         if self._closed:
             raise RuntimeError("the tensor-parallel executor is closed")
 
-    def _broadcast(self, command: Optional[tuple[str, Any]]) -> list[Any]:
-        """Sends ``command`` to every rank (None: nothing, wait for the startup report) and
-        returns every rank's reply, by rank. Any rank dying or failing first stops them all."""
-        if command is not None:
-            self._guarded(self._send, command)
-        return self._guarded(self._replies)
+    def _broadcast(self, command: tuple[str, Any]) -> list[Any]:
+        """Sends ``command`` to every rank and returns every rank's reply, by rank. Steps still
+        in flight are received first (kept for ``collect``): their replies are ahead of this
+        one in the connections."""
+        self._finish_in_flight()
+        self._send(command)
+        return self._gather()
+
+    def _finish_in_flight(self) -> None:
+        for i in range(len(self._in_flight)):
+            if self._in_flight[i] is None:
+                self._in_flight[i] = self._gather()[self._output_rank]
 
     def _send(self, command: tuple[str, Any]) -> None:
-        for w in self._workers:
-            w.conn.send(command)
+        self._guarded(lambda: [conn.send(command) for conn in self._conns])
 
-    def _guarded(self, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``; a rank that died or failed meanwhile stops them all and is named."""
+    def _gather(self) -> list[Any]:
+        """Every rank's next reply, by rank. Any rank dying or failing first stops them all."""
+        return self._guarded(self._replies)
+
+    def _guarded(self, io: Callable[[], Any]) -> Any:
+        """Runs connection I/O; a dead or failed rank becomes ``WorkerFailed`` and stops every rank."""
         try:
-            return fn(*args)
+            return io()
         except WorkerFailed as failure:
             self._fail(failure)
             raise
         except (BrokenPipeError, ConnectionResetError, EOFError):
-            failure = self._find_dead() or WorkerFailed(-1, "a tensor-parallel worker's pipe closed")
+            failure = self._find_dead() or WorkerFailed(-1, "a tensor-parallel worker's connection closed")
             self._fail(failure)
             raise failure from None
 
     def _replies(self) -> list[Any]:
-        pending = {w.conn: w for w in self._workers}
+        rank_of = {conn: rank for rank, conn in enumerate(self._conns)}
+        pending = list(self._conns)
         replies: list[Any] = [None] * self.world_size
         while pending:
-            sentinels = {w.process.sentinel: w for w in pending.values()}
-            for ready in wait([*pending, *sentinels]):
-                if ready in pending:
-                    worker = pending.pop(ready)
-                    replies[worker.rank] = self._receive(worker)
-                elif ready in sentinels and sentinels[ready].conn in pending and not sentinels[ready].conn.poll():
-                    raise _died(sentinels[ready])
+            for ready in self._wait(pending):
+                pending.remove(ready)
+                replies[rank_of[ready]] = self._receive(rank_of[ready])
         return replies
 
-    @staticmethod
-    def _receive(worker: _Worker) -> Any:
+    def _receive(self, rank: int) -> Any:
         try:
-            status, payload = worker.conn.recv()
+            status, payload = self._conns[rank].recv()
         except (EOFError, OSError):
-            worker.process.join(_GRACE_S)
-            raise _died(worker) from None
+            raise self._died(rank) from None
         if status == "error":
-            raise WorkerFailed(worker.rank, f"tensor-parallel worker rank {worker.rank} (pid {worker.process.pid}) "
-                                            f"failed; the engine stopped every rank.\n{payload}")
+            raise WorkerFailed(rank, f"{self._label(rank)} failed; the engine stopped every rank.\n{payload}")
         return payload
+
+    def _fail(self, failure: WorkerFailed) -> None:
+        self._failure = failure
+        logger.error("%s", failure)
+        self._closed = True
+        self._stop_ranks()
+
+
+class MultiprocExecutor(RankExecutor):
+    """Runs ``config.parallel.world_size`` ranks as spawned processes on this machine; a rank's
+    death is seen on its process sentinel, waited on together with the pipes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self._workers = self._spawn(config)
+        self._conns = [w.conn for w in self._workers]
+        self._start(_STARTUP_HINT)
+        logger.info("tensor parallelism: %d ranks (pids %s), %s backend, %d torch threads each", self.world_size,
+                    ", ".join(map(str, self.pids)), config.parallel.distributed_backend,
+                    threads_per_rank(self.world_size))
+
+    def _spawn(self, config: EngineConfig) -> list[_Worker]:
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        timeout = collective_timeout_s()
+        level = logging.getLogger("vgraph").getEffectiveLevel()
+        workers = []
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            args = WorkerArgs(config, rank, self.world_size, init_method, threads_per_rank(self.world_size),
+                              timeout, level)
+            process = ctx.Process(target=worker_main, args=(args, child), name=f"vgraph-tp-rank-{rank}", daemon=True)
+            process.start()
+            child.close()  # the worker's end lives in the worker: EOF here when it dies
+            workers.append(_Worker(rank, process, parent))
+        return workers
+
+    def _wait(self, pending: list[Connection]) -> list[Connection]:
+        by_sentinel = {self._workers[self._conns.index(c)].process.sentinel: c for c in pending}
+        ready = wait([*pending, *by_sentinel])
+        for sentinel, conn in by_sentinel.items():
+            if sentinel in ready and conn not in ready and not conn.poll():
+                raise self._died(self._conns.index(conn))
+        return [r for r in ready if r in pending]
+
+    def _died(self, rank: int) -> WorkerFailed:
+        return _died(self._workers[rank])
 
     def _find_dead(self) -> Optional[WorkerFailed]:
         for w in self._workers:
@@ -250,11 +345,21 @@ class MultiprocExecutor:
                 return _died(w)
         return None
 
-    def _fail(self, failure: WorkerFailed) -> None:
-        self._failure = failure
-        logger.error("%s", failure)
-        self._closed = True
+    def _label(self, rank: int) -> str:
+        return f"tensor-parallel worker rank {rank} (pid {self._workers[rank].process.pid})"
+
+    def _wait_stopped(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+
+    def _stop_ranks(self) -> None:
         _stop(self._workers)
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks ($VGRAPH_TP_COLLECTIVE_TIMEOUT_S)."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S))
 
 
 def _died(worker: _Worker) -> WorkerFailed:
@@ -280,7 +385,7 @@ def _stop(workers: list[_Worker]) -> None:
         w.conn.close()
 
 
-def _close_at_exit(ref: "weakref.ref[MultiprocExecutor]") -> None:
+def _close_at_exit(ref: "weakref.ref[RankExecutor]") -> None:
     executor = ref()
     if executor is not None:
         executor.close()

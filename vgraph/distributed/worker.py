@@ -1,9 +1,9 @@
 """One tensor-parallel rank: a spawned process that joins the group, builds its ModelRunner over
 its shard and KV cache, then runs whatever the engine sends, step by step.
 
-The conversation over the pipe is strictly request/reply: the engine sends one command to every
-rank and waits for every reply before it sends the next, so a pipe never holds more than one
-message. Replies are ``("ok", payload)`` or, when anything fails, ``("error", traceback)`` and
+The conversation over the pipe is request/reply, in order: the worker reads one command, runs it
+and replies before it reads the next, so when the engine keeps several steps in flight
+(``submit`` before the previous ``collect``) the replies come back in the order sent. Replies are ``("ok", payload)`` or, when anything fails, ``("error", traceback)`` and
 the process exits. Rank 0 replies with the step's result; the others with None (their sampled
 tokens equal rank 0's: the logits are the same after the gather).
 """
@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -40,6 +41,9 @@ class WorkerArgs:
     threads: int
     collective_timeout_s: float
     log_level: int
+    # This rank's CUDA device on its node: None is the rank itself (one node, rank r on cuda:r);
+    # a Ray actor sees only its own GPU, as cuda:0.
+    device_index: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -56,38 +60,73 @@ class WorkerInfo:
     compile_cache_folder: Optional[str]  # this rank's compile cache entry (None when eager or unsaved)
 
 
-def worker_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r runs on ``cuda:r`` (the local rank: one machine), or on the CPU."""
-    return torch.device("cuda", rank) if config.torch_device.type == "cuda" else torch.device("cpu")
+def worker_device(config: EngineConfig, rank: int, device_index: Optional[int] = None) -> torch.device:
+    """Rank r runs on ``cuda:r`` (the local rank: one machine) unless told its device on its
+    node (``device_index``), or on the CPU."""
+    if config.torch_device.type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", rank if device_index is None else device_index)
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
     """The process's entry point (spawned: nothing is inherited but these arguments)."""
+    sys.exit(run_rank(args, conn))
+
+
+def run_rank(args: WorkerArgs, conn: Connection) -> int:
+    """Serves the engine over ``conn`` (a pipe, or a TCP connection to a Ray actor) until it
+    says SHUTDOWN (0) or anything fails (1: reported over ``conn`` when the engine can hear)."""
     code = 0
     try:
         _serve(args, conn)
     except EOFError:  # the engine is gone: nothing to report to
         code = 1
-    except BaseException:  # noqa: BLE001  (everything is reported to the engine, then the process ends)
+    except BaseException:  # noqa: BLE001  (everything is reported to the engine, then the rank ends)
         code = 1
         with contextlib.suppress(OSError):  # the engine is gone: nobody to tell
             conn.send(("error", f"rank {args.rank}: {traceback.format_exc()}"))
     finally:
-        # A broken group cannot be left cleanly; the process ends anyway.
+        # A broken group cannot be left cleanly; the rank ends anyway.
         with contextlib.suppress(Exception):
             destroy_tensor_parallel()
         conn.close()
-    sys.exit(code)
+    return code
 
 
 def _serve(args: WorkerArgs, conn: Connection) -> None:
     rank = RankWorker(args)
-    conn.send(("ok", rank.info()))
-    while True:
-        command, payload = conn.recv()
-        conn.send(("ok", rank.handle(command, payload)))
-        if command == SHUTDOWN:
-            return
+    replies = _Replies(conn)
+    try:
+        replies.send(("ok", rank.info()))
+        while True:
+            command, payload = conn.recv()
+            replies.send(("ok", rank.handle(command, payload)))
+            if command == SHUTDOWN:
+                return
+    finally:
+        replies.close()
+
+
+class _Replies:
+    """Sends the rank's replies from a thread of their own, in order, while the rank reads on.
+
+    With steps in flight the engine may be writing the next step while this rank writes the
+    previous reply: were both larger than the connection's buffer and both sides blocked in
+    ``send``, neither would read. Here the rank's reading never waits on its writing."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="vgraph-rank-replies")
+        self._last: Optional[Future] = None
+
+    def send(self, message: Any) -> None:
+        if self._last is not None and self._last.done():
+            self._last.result()  # a failed send (the engine is gone) ends the rank now
+        self._last = self._pool.submit(self._conn.send, message)
+
+    def close(self) -> None:
+        """Waits for the queued replies (their errors are the engine's absence: the rank ends)."""
+        self._pool.shutdown(wait=True)
 
 
 class RankWorker:
@@ -102,7 +141,7 @@ class RankWorker:
         logging.getLogger("vgraph").setLevel(args.log_level if args.rank == 0
                                              else max(args.log_level, logging.WARNING))
         torch.set_num_threads(args.threads)
-        device = worker_device(args.config, args.rank)
+        device = worker_device(args.config, args.rank, args.device_index)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         config = replace(args.config, device=str(device))

@@ -21,11 +21,8 @@ from ..core.outputs import PoolingState
 from ..structured.compiler import GrammarCompiler
 from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
-from ..distributed.executor import MultiprocExecutor
-from ..distributed.sharding import check_divisible
+from ..distributed.executors import make_executor
 from ..lora.request import LoRARequest
-from ..models.llama import arch_spec
-from ..worker.runner import ModelRunner
 from ..worker.startup import engine_timeline, process_age
 from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
@@ -359,7 +356,7 @@ class LLMEngine:
             finish_reasons=group.finish_reasons if finished else [])
 
     def close(self) -> None:
-        """Stops the runner's step thread or the tensor-parallel workers (idempotent; workers
+        """Finishes the runner's launched steps, or stops the worker ranks (idempotent; workers
         also stop at interpreter exit)."""
         self.runner.close()
 
@@ -375,13 +372,6 @@ class LLMEngine:
                            spec_accepted_per_position=tuple(spec.accepted_per_position))
 
 
-def _start_runner(config: EngineConfig, hf_config: Any) -> ModelRunner | MultiprocExecutor:
-    """The model runner in this process, or with ``tensor_parallel_size`` > 1 the executor of
-    that many worker processes (vgraph/distributed/executor.py), after checking that the model
-    splits evenly so that a bad size fails before any process starts."""
-    if not config.parallel.is_parallel:
-        return ModelRunner(config)
-    spec = arch_spec(hf_config)
-    check_divisible(config.parallel.tensor_parallel_size, spec.num_heads, spec.num_kv_heads,
-                    spec.intermediate_size)
-    return MultiprocExecutor(config)
+def _start_runner(config: EngineConfig, hf_config: Any) -> Any:
+    """The runner or the executor of ranks that the resolved config names (distributed/executors.py)."""
+    return make_executor(config, hf_config)
