@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vgraph import cli, cli_options
+from vgraph.spec.config import SpeculativeConfig
 from vgraph.config import (CPU_BLOCK_SIZE, CPU_STEP_TOKENS, FIELD_SECTION, GPU_BLOCK_SIZE, GPU_STEP_TOKENS,
                            SECTIONS, CacheConfig, CompileConfig, CompileLevel, CudaGraphMode, EngineConfig,
                            ModelConfig, SchedulerConfig)
@@ -64,6 +65,8 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "max_num_seqs": [(["--max-num-seqs", "8"], 8)],
     "max_num_batched_tokens": [(["--max-num-batched-tokens", "512"], 512)],
     "enable_chunked_prefill": [(["--no-chunked-prefill"], False)],
+    "speculative_config": [(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
+                            SpeculativeConfig(num_speculative_tokens=2))],
     "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],
     "level": [(["--enforce-eager"], CompileLevel.NONE)],
     "splitting_ops": [(["--splitting-ops", "a::b", "c::d"], ["a::b", "c::d"])],

@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from .spec.config import SpeculativeConfig
+
 from .pooling_params import POOLING_TYPES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -493,8 +495,14 @@ class EngineConfig:
     lora: LoRASettings = field(default_factory=LoRASettings)
     device: str = field(default="auto", metadata=cli("auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     max_logprobs: int = field(default=20, metadata=cli("largest logprobs / top_logprobs a request may ask"))
+    # A dict or its JSON text (vLLM's fields), made a SpeculativeConfig here.
+    speculative_config: Optional[SpeculativeConfig] = field(default=None, metadata=cli(
+        "speculative decoding, as JSON with vLLM's fields: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\''))
 
     def __post_init__(self) -> None:
+        # Normalized while the object is built: a dict or JSON text becomes the dataclass.
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not (self.device in DEVICES or self.device.startswith("cuda:")):
             raise ValueError(f"unsupported device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.max_logprobs < 0:

@@ -24,6 +24,9 @@ class ModelRunnerOutput:
     prompt_logprobs: Optional[dict[str, "PromptLogprobs"]] = None
     # Each pooling request's chunk's share of the pooled hidden state.
     pooled: Optional[dict[str, "PooledChunk"]] = None
+    # Speculative decoding: each verifying request's accepted guesses, which come before its
+    # ``sampled`` token (the target's own next token after them).
+    accepted_drafts: Optional[dict[str, list[int]]] = None
 
 
 @dataclass

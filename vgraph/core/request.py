@@ -64,6 +64,8 @@ class Request:
     # Tokens scheduled to be sampled whose ids are not known yet (a step in flight): a step
     # scheduled ahead feeds them from the runner's own copy (overlapped scheduling).
     num_pending_tokens: int = 0
+    # Tokens the latest step appended (more than one when speculative guesses were accepted).
+    num_step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_logprobs is not None and not self.prompt_logprobs:

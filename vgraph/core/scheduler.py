@@ -35,6 +35,9 @@ from .kv_cache_manager import KVCacheManager
 from .outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
 from .request import Request, RequestStatus
 from .step_plan import StepPlan, StepPlanner
+from ..spec.config import SpeculativeConfig
+from ..spec.ngram import NgramProposer
+from ..spec.stats import SpecDecodeStats, speculates
 
 
 
@@ -48,7 +51,10 @@ class ScheduledRequest:
     """
 
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the guessed tokens included
+    # Speculative decoding: tokens guessed to follow the request's last one, run after it in
+    # this chunk so the step verifies them (spec/); their KV counts only where accepted.
+    draft_token_ids: list[int] = field(default_factory=list)
     start_position: int = field(init=False)
     # Whether this chunk reaches the last known token, so the runner samples the next one
     # (never for a prefill-only request). Fixed at scheduling time: it must not change when
@@ -58,7 +64,7 @@ class ScheduledRequest:
     def __post_init__(self) -> None:
         request = self.request
         self.start_position = request.num_computed_tokens
-        self.produces_token = (self.start_position + self.num_new_tokens
+        self.produces_token = (self.start_position + self.num_new_tokens - len(self.draft_token_ids)
                                == request.num_tokens + request.num_pending_tokens and not request.prefill_only)
 
     @property
@@ -94,7 +100,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, max_loras: Optional[int] = None,
-                 schedule_ahead: bool = False, microbatches: int = 1) -> None:
+                 schedule_ahead: bool = False, microbatches: int = 1,
+                 speculative: Optional[SpeculativeConfig] = None) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -114,6 +121,9 @@ class Scheduler:
         # Pipeline stages: each step takes at most 1/microbatches of the requests, so the steps in
         # flight (one per stage) share them instead of one step taking all and the others none.
         self.microbatches = microbatches
+        self.speculative = speculative
+        self.proposer = None if speculative is None else NgramProposer(speculative)
+        self.spec_stats = SpecDecodeStats(0 if speculative is None else speculative.num_speculative_tokens)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -182,22 +192,38 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int, seats: int) -> int:
         """Schedules running requests in order, preempting the newest when blocks run out."""
         index = 0
+        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None
+                                                   or len(self.running) <= self.speculative.disable_by_batch_size)
         while index < len(self.running) and budget > 0 and len(output.scheduled) < seats:
             request = self.running[index]
             num_new = min(self._num_schedulable(request), budget)
+            drafts = self._propose(request, budget) if speculate and num_new == 1 else []
+            num_new += len(drafts)
             if num_new > 0:
                 if not self._allocate_or_preempt(request, num_new, output):
                     break
-                output.scheduled.append(ScheduledRequest(request, num_new))
+                output.scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
             index += 1
         return budget
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Guessed tokens to verify after a decode's token: as many as the budget, the
+        request's remaining tokens (the step adds one of its own) and the context allow."""
+        if not speculates(request):
+            return []
+        params = request.sampling_params
+        room = min(budget - 1, self.max_seq_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
+        return self.proposer.propose(request.all_token_ids, room)
 
     def _num_schedulable(self, request: Request) -> int:
         """Tokens of ``request`` that may run now: none while its pending token is needed on
         the host first, or would be one past its last (it ends when that token arrives)."""
         pending = request.num_pending_tokens
-        if pending and not (self.schedule_ahead and request.grammar is None):
+        if pending and not (self.schedule_ahead and request.grammar is None
+                            and (self.proposer is None or not speculates(request))):
             return 0
         num_tokens = request.num_tokens + pending
         max_tokens = request.sampling_params.max_tokens
@@ -301,13 +327,18 @@ class Scheduler:
             if request.status.finished:
                 continue
             self._apply_prompt_results(request, result.prompt_logprobs, result.pooled)
+            end = scheduled.end_position
+            stopped = False
             if scheduled.produces_token:
                 request.num_pending_tokens -= 1
-                self._append_token(request, result.sampled[request.request_id], result.logprobs)
+                stopped = self._append_tokens(request, scheduled, result)
                 new_token_requests.append(request)
-            if request.status is RequestStatus.RUNNING:
-                self.kv_cache_manager.cache_blocks(request, scheduled.end_position)
-            if scheduled.produces_token and self._check_stop(request):
+                end -= len(scheduled.draft_token_ids) - request.num_step_tokens + 1  # rejected guesses
+            if request.status is not RequestStatus.PREEMPTED:  # running, or finished by this step
+                if scheduled.draft_token_ids:  # never scheduled ahead: nothing ran past this chunk
+                    request.num_computed_tokens = end
+                self.kv_cache_manager.cache_blocks(request, end)
+            if stopped:
                 self._release(request)
                 any_finished = True
             elif request.prefill_only and scheduled.end_position >= request.num_prompt_tokens:
@@ -330,6 +361,22 @@ class Scheduler:
             request.add_prompt_logprobs(result.first, result.entries)
         if pooled is not None and request.pooling is not None and request.request_id in pooled:
             request.pooling.add(pooled[request.request_id])
+
+    def _append_tokens(self, request: Request, scheduled: ScheduledRequest, result: ModelRunnerOutput) -> bool:
+        """Appends the step's tokens (the accepted guesses, then the sampled one), stopping at
+        the first that ends the request; returns whether one did. ``num_step_tokens`` counts
+        what was appended."""
+        rid = request.request_id
+        accepted = result.accepted_drafts.get(rid, []) if result.accepted_drafts else []
+        if scheduled.draft_token_ids:
+            self.spec_stats.record(len(scheduled.draft_token_ids), len(accepted))
+        request.num_step_tokens = 0
+        for token_id in (*accepted, result.sampled[rid]):
+            self._append_token(request, token_id, result.logprobs)
+            request.num_step_tokens += 1
+            if self._check_stop(request):
+                return True
+        return False
 
     @staticmethod
     def _append_token(request: Request, token_id: int,

@@ -57,6 +57,8 @@ class PlannedChunk:
     new_blocks: list[int] = field(default_factory=list)
     # Prompt tokens whose logprobs are already scored (a recompute after preemption skips them).
     num_prompt_logprobs_done: int = 0
+    # Speculative guesses run after the chunk's last known token (counted in num_new_tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -116,7 +118,7 @@ class StepPlanner:
         keep = seen.num_blocks if req.num_preemptions == seen.num_preemptions else 0
         chunk = PlannedChunk(req.request_id, item.num_new_tokens, item.start_position, item.produces_token,
                              req.output_token_ids[seen.num_output_tokens:], seen.num_output_tokens, keep,
-                             req.block_ids[keep:], len(req.prompt_logprobs))
+                             req.block_ids[keep:], len(req.prompt_logprobs), list(item.draft_token_ids))
         seen.num_output_tokens, seen.num_blocks = len(req.output_token_ids), len(req.block_ids)
         seen.num_preemptions = req.num_preemptions
         return chunk

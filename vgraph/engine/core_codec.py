@@ -94,7 +94,8 @@ def encode_stats(stats: EngineStats) -> list:
 
 
 def decode_stats(data: list) -> EngineStats:
-    return EngineStats(*data)
+    stats = EngineStats(*data)
+    return dataclasses.replace(stats, spec_accepted_per_position=tuple(stats.spec_accepted_per_position))
 
 
 def encode_timing(timing: RequestTiming) -> list:

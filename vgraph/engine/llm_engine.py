@@ -98,7 +98,10 @@ class LLMEngine:
         # schedule-ahead) and the P steps in flight hold disjoint decodes, one per stage.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len, lora.max_loras if lora.enable_lora else None,
-                                   schedule_ahead=overlap and stages == 1, microbatches=stages)
+                                   schedule_ahead=overlap and stages == 1, microbatches=stages,
+                                   speculative=self.config.speculative_config)
+        if self.config.speculative_config is not None:
+            logger.info("speculative decoding: %s", self.config.speculative_config.describe())
         # Steps submitted to the runner and not yet collected, with the groups each scheduled
         # first; overlapped scheduling keeps one more in flight than the serial loop, pipeline
         # parallelism one per stage.
@@ -288,7 +291,9 @@ class LLMEngine:
             first_scheduled = self._stamp_first_scheduled(sched, time.monotonic())
             # Structured outputs' masks of the sampled rows: the grammars live here, with the
             # scheduler (a constrained request waits for its previous token: its mask is exact).
-            masks = fill_masks([s.request.grammar for s in sched.samples], self.vocab_size)
+            # One per sampled row: a verifying request has a row per guess, and no grammar.
+            masks = fill_masks([s.request.grammar for s in sched.samples for _ in range(len(s.draft_token_ids) + 1)],
+                               self.vocab_size)
             self.runner.submit(sched.plan, masks)
             self._in_flight.append((sched, first_scheduled))
 
@@ -304,9 +309,10 @@ class LLMEngine:
             return 0
         wants_logprobs = req.sampling_params.logprobs is not None
         logprobs = [req.logprobs[-1]] if wants_logprobs and len(req.logprobs) == len(req.output_token_ids) else None
-        delta.sequences.append(SequenceDelta(index, [req.output_token_ids[-1]], logprobs, req.finish_reason,
+        count = req.num_step_tokens  # more than one when speculative guesses were accepted
+        delta.sequences.append(SequenceDelta(index, req.output_token_ids[-count:], logprobs, req.finish_reason,
                                              req.stop_reason))
-        return 1
+        return count
 
     @staticmethod
     def _attach_prompt_logprobs(group: _Group, delta: OutputDelta) -> None:
@@ -361,11 +367,14 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """The engine's state now: the scheduler's queues and counters, the KV pool's usage."""
-        pool = self.scheduler.block_pool
+        pool, spec = self.scheduler.block_pool, self.scheduler.spec_stats
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_usage=pool.usage, prefix_cache_queries=pool.prefix_cache_queries,
                            prefix_cache_hits=pool.prefix_cache_hits,
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions, spec_num_drafts=spec.num_drafts,
+                           spec_num_draft_tokens=spec.num_draft_tokens,
+                           spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_accepted_per_position=tuple(spec.accepted_per_position))
 
 
 def _start_runner(config: EngineConfig, hf_config: Any) -> Any:

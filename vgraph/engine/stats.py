@@ -25,6 +25,12 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # prompt tokens found there
     num_preemptions: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): chunks that carried guesses, the
+    # guesses, those accepted, and accepted per guess position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,4 +80,9 @@ def aggregate_stats(per_replica: Sequence[EngineStats]) -> EngineStats:
                        kv_usage=sum(s.kv_usage for s in per_replica) / max(1, len(per_replica)),
                        prefix_cache_queries=sum(s.prefix_cache_queries for s in per_replica),
                        prefix_cache_hits=sum(s.prefix_cache_hits for s in per_replica),
-                       num_preemptions=sum(s.num_preemptions for s in per_replica))
+                       num_preemptions=sum(s.num_preemptions for s in per_replica),
+                       spec_num_drafts=sum(s.spec_num_drafts for s in per_replica),
+                       spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in per_replica),
+                       spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in per_replica),
+                       spec_accepted_per_position=tuple(
+                           map(sum, zip(*(s.spec_accepted_per_position for s in per_replica)))))

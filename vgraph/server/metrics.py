@@ -52,7 +52,13 @@ _ROUTER_ONLY = (("gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0 
                  "routers read.", "kv_usage"),)
 _COUNTERS = (("vgraph:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
              ("vgraph:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
-             ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", "num_preemptions"))
+             ("vgraph:num_preemptions", "Requests preempted (their KV recomputed later).", "num_preemptions"),
+             ("vllm:spec_decode_num_drafts", "Speculative decoding: chunks that carried guessed tokens.",
+              "spec_num_drafts"),
+             ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: guessed tokens verified.",
+              "spec_num_draft_tokens"),
+             ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: guessed tokens accepted.",
+              "spec_num_accepted_tokens"))
 
 
 class _EngineStateCollector(Collector):
@@ -70,12 +76,22 @@ class _EngineStateCollector(Collector):
             yield self._family(GaugeMetricFamily, f"vgraph:{name}", doc, attr, per_replica)
         for name, doc, attr in _COUNTERS:
             yield self._family(CounterMetricFamily, name, doc, attr, per_replica)
+        yield self._per_position(per_replica)
         server = aggregate_stats(per_replica)
         for name, doc, attr in (*_OWN_GAUGES, *_ROUTER_ONLY):
             gauge = GaugeMetricFamily(f"vllm:{name}", f"{doc} The server's total over its replicas (KV usage: "
                                       "of all their blocks), for load-aware routers.", labels=labels[:1])
             gauge.add_metric([self._model], float(getattr(server, attr)))
             yield gauge
+
+    def _per_position(self, per_replica: list[EngineStats]) -> Metric:
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Speculative decoding: guessed tokens accepted at each guess position.",
+                                     labels=["model_name", "engine", "position"])
+        for index, stats in enumerate(per_replica):
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                family.add_metric([self._model, str(index), str(position)], float(count))
+        return family
 
     def _family(self, kind: type, name: str, doc: str, attr: str, per_replica: list[EngineStats]) -> Metric:
         family = kind(name, doc, labels=["model_name", "engine"])

@@ -42,7 +42,7 @@ class FlatBatch:
     attn_metadata: AttentionMetadata
     # Row of the flat batch whose logits are sampled, per request that produces a token.
     sample_indices: torch.Tensor  # [S'] int64
-    sampled_requests: list[RunnerRequest]  # in sample_indices order
+    sampled_requests: list[RunnerRequest]  # in sample_indices order (a verifying request: one per guess + 1)
     num_scheduled: int  # rows before padding
     # ``sample_indices`` again when those rows are all the step uses and fewer than it runs
     # (ForwardContext.output_rows: the model's tail may then run on them alone); else None.
@@ -147,7 +147,7 @@ class BatchBuilder:
             req, n, start = item.request, item.num_new_tokens, item.start_position
             blocks = req.block_ids
             end = start + n
-            if n == 1:  # a decode row: plain ints
+            if n == 1 and not item.draft_token_ids:  # a decode row: plain ints
                 rows.ids.append(req.token_at(start))
                 rows.positions.append(start)
                 rows.slots.append(blocks[start // size] * size + start % size)
@@ -158,9 +158,10 @@ class BatchBuilder:
             rows.q_lens.append(n)
             rows.seq_lens.append(end)
             rows.tables.append(blocks)
-            if item.produces_token:
-                sample_rows.append(len(rows.ids) - 1)
-                sampled.append(req)
+            if item.produces_token:  # the last row, and each guess's row before it (spec/)
+                last = len(rows.ids)
+                sample_rows.extend(range(last - item.num_sampled_rows, last))
+                sampled.extend([req] * item.num_sampled_rows)
         return rows, sample_rows, sampled
 
     @staticmethod

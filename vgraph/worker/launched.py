@@ -28,7 +28,12 @@ PENDING = -1  # a sampled token whose id the host has not read yet (never a voca
 class LaunchedStep:
     """One step's results as they come off the device: the sampled ids (a device tensor, its
     copy to the host started at launch on CUDA), the logprobs, prompt logprobs and pooled
-    states (read on the host already, when asked: those requests pay the wait)."""
+    states (read on the host already, when asked: those requests pay the wait).
+
+    A verifying request (speculative guesses, spec/) has one sampled row per guess plus one:
+    at ``finish`` its guesses are accepted while each equals the target's token at the row
+    before it, and the target's token after the last accepted one is its sampled token. It
+    is never scheduled before that (its token count is unknown until then): no placeholder."""
 
     def __init__(self, step: RunnerStep, sampled_requests: Iterable[RunnerRequest] = (),
                  token_ids: Optional[torch.Tensor] = None,
@@ -43,10 +48,12 @@ class LaunchedStep:
         self._logprobs = logprobs
         self._prompt_logprobs = prompt_logprobs
         self._pooled = pooled
-        # Where each row's id goes in its request's output, behind a PENDING placeholder.
-        self._slots = [len(r.output_token_ids) for r in self.requests] if record else None
-        for request in self.requests if record else ():
-            request.output_token_ids.append(PENDING)
+        self._record = record
+        # Per sampling chunk: its request, its guesses, and where its id goes in the request's
+        # output (behind a PENDING placeholder; None for a verifying request).
+        # (None: a step that samples nothing here, e.g. a pipeline stage before the last.)
+        self._chunks = [(c.request, c.draft_token_ids, None if c.draft_token_ids or not record
+                         else _placeholder(c.request)) for c in step.chunks if c.produces_token and self.requests]
         self._host_ids, self._ready = _start_copy(token_ids)
         self._result: Optional[ModelRunnerOutput] = None
 
@@ -55,7 +62,7 @@ class LaunchedStep:
         return self._result is not None
 
     def row_of(self) -> dict[str, int]:
-        """Request id -> its row of ``token_ids``."""
+        """Request id -> its (last) row of ``token_ids``."""
         return {r.request_id: i for i, r in enumerate(self.requests)}
 
     def finish(self) -> ModelRunnerOutput:
@@ -70,13 +77,38 @@ class LaunchedStep:
         if self._ready is not None:
             self._ready.synchronize()
         ids = self._host_ids.tolist()
-        for request, slot, token_id in zip(self.requests, self._slots or (), ids):
-            request.output_token_ids[slot] = token_id
-        sampled = {r.request_id: t for r, t in zip(self.requests, ids)}
+        sampled: dict[str, int] = {}
+        accepted: dict[str, list[int]] = {}
+        row = 0
+        for request, drafts, slot in self._chunks:
+            targets = ids[row:row + len(drafts) + 1]
+            row += len(targets)
+            num_accepted = _accepted(drafts, targets)
+            sampled[request.request_id] = token_id = targets[num_accepted]
+            if drafts:
+                accepted[request.request_id] = list(drafts[:num_accepted])
+                if self._record:
+                    request.output_token_ids.extend([*drafts[:num_accepted], token_id])
+            elif slot is not None:
+                request.output_token_ids[slot] = token_id
         logprobs = None
         if self._logprobs is not None:
             logprobs = {r.request_id: lp for r, lp in zip(self.requests, self._logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs, self._pooled)
+        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs, self._pooled, accepted or None)
+
+
+def _placeholder(request: RunnerRequest) -> int:
+    """Appends a PENDING token to ``request``'s output; returns its index."""
+    request.output_token_ids.append(PENDING)
+    return len(request.output_token_ids) - 1
+
+
+def _accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
+    """How many leading guesses equal the target's token at the row before each (greedy)."""
+    count = 0
+    while count < len(drafts) and drafts[count] == targets[count]:
+        count += 1
+    return count
 
 
 def _start_copy(token_ids: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.cuda.Event]]:

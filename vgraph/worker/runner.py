@@ -330,9 +330,17 @@ class ModelRunner:
                 earlier.finish()
         meta = (self.sampling.get(batch.sampled_requests, masks) if record
                 else SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks))
-        out = self.sampler(logits, meta)
+        out = self.sampler(logits, meta, _draft_rows(step, self.device))
         return LaunchedStep(step, batch.sampled_requests, out.token_ids, out.logprobs, prompt_logprobs, pooled,
                             record)
+
+
+def _draft_rows(step: RunnerStep, device: torch.device) -> Optional[torch.Tensor]:
+    """The guess each sampled row verifies (-1: none), or None when no chunk carries guesses."""
+    if not any(c.draft_token_ids for c in step.chunks):
+        return None
+    rows = [t for c in step.chunks if c.produces_token for t in (*c.draft_token_ids, -1)]
+    return torch.tensor(rows, dtype=torch.int64, device=device)
 
 
 def _reads_output_tokens(requests: list) -> bool:

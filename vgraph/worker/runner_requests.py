@@ -67,10 +67,18 @@ class RunnerChunk:
     start_position: int
     produces_token: bool  # samples the next token after its last row
     num_prompt_logprobs_done: int = 0  # prompt tokens already scored (prompt logprobs requests)
+    # Speculative guesses after the last known token: the chunk's last rows, each sampled.
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_sampled_rows(self) -> int:
+        return len(self.draft_token_ids) + 1 if self.produces_token else 0
 
     @property
     def token_ids(self) -> list[int]:
-        return token_slice(self.request, self.start_position, self.start_position + self.num_new_tokens)
+        known = token_slice(self.request, self.start_position,
+                            self.start_position + self.num_new_tokens - len(self.draft_token_ids))
+        return known + list(self.draft_token_ids) if self.draft_token_ids else known
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,8 @@ class RunnerRequests:
         req.output_token_ids[c.output_from:end] = c.new_output_tokens  # its own samples beyond stay
         del req.block_ids[c.blocks_from:]
         req.block_ids.extend(c.new_blocks)
-        if c.start_position + c.num_new_tokens > req.num_tokens:
+        if c.start_position + c.num_new_tokens - len(c.draft_token_ids) > req.num_tokens:
             raise RuntimeError(f"request {c.request_id}: the runner's copy is out of step with the scheduler's "
                                f"({req.num_tokens} tokens, chunk {c.start_position}+{c.num_new_tokens})")
-        return RunnerChunk(req, c.num_new_tokens, c.start_position, c.produces_token, c.num_prompt_logprobs_done)
+        return RunnerChunk(req, c.num_new_tokens, c.start_position, c.produces_token, c.num_prompt_logprobs_done,
+                           tuple(c.draft_token_ids))

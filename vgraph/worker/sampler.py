@@ -306,12 +306,35 @@ def _exponential_noise(probs: torch.Tensor, generators: list[Optional[torch.Gene
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def sample_random(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+def sample_random(logits: torch.Tensor, md: SamplingMetadata,
+                  draft_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one exponential-race draw per row.
+
+    ``draft_ids`` (speculative decoding, -1 on rows without one): a row that verifies a guessed
+    token x keeps x with probability p(x), else draws from p with x removed. A guess proposed
+    without a distribution of its own (n-gram) is a point mass, for which this is exactly
+    rejection sampling: the token the row ends with is distributed as p, as without guessing."""
     logits = logits / md.temperature.unsqueeze(1)
     logits = apply_top_k_top_p(logits, md)
     probs = apply_min_p(logits.softmax(dim=-1), md)
-    return (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
+    sampled = (probs / _exponential_noise(probs, md.generators)).argmax(dim=-1)
+    if draft_ids is None:
+        return sampled
+    has_draft = draft_ids >= 0
+    drafts = draft_ids.clamp_min(0).unsqueeze(1)
+    keep = _uniform(probs.shape[0], probs, md.generators) < probs.gather(1, drafts).squeeze(1)
+    residual = probs.scatter(1, drafts, 0.0)
+    recovered = (residual / _exponential_noise(residual, md.generators)).argmax(dim=-1)
+    return torch.where(has_draft, torch.where(keep, draft_ids, recovered), sampled)
+
+
+def _uniform(rows: int, like: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+    """One U(0, 1) draw per row; seeded rows from their own generator."""
+    u = torch.rand(rows, device=like.device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            u[row] = torch.rand(1, generator=gen, device=gen.device).item()
+    return u
 
 
 def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
@@ -338,22 +361,25 @@ def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
 class Sampler(torch.nn.Module):
     """Stateless: all per-request state lives in ``SamplingMetadata`` and the requests' generators."""
 
-    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """``logits``: [B, V] float32 of each row's last position; returns one token per row."""
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata,
+                draft_ids: Optional[torch.Tensor] = None) -> SamplerOutput:
+        """``logits``: [B, V] float32 of each row's last position; returns one token per row.
+        ``draft_ids``: [B], the guessed token each row verifies (-1: none; see sample_random)."""
         if logits.shape[-1] != md.vocab_size:
             raise ValueError(f"logits have {logits.shape[-1]} columns, metadata expects {md.vocab_size}")
         raw = logits
         logits = apply_grammar(logits.float(), md)
         logits = apply_min_tokens(apply_penalties(logits, md), md)
-        token_ids = self._choose(logits, md)
+        token_ids = self._choose(logits, md, draft_ids)
         logprobs = None if md.max_num_logprobs is None else gather_logprobs(raw.float(), token_ids, md)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, md: SamplingMetadata, draft_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Greedy rows take the argmax (a guess is kept when it is the argmax: the same rule)."""
         if md.all_greedy:
             return logits.argmax(dim=-1)
-        sampled = sample_random(logits, md)
+        sampled = sample_random(logits, md, draft_ids)
         if md.all_random:
             return sampled
         return torch.where(md.greedy, logits.argmax(dim=-1), sampled)

@@ -1,0 +1,95 @@
+"""Speculative decoding: generated tokens per second with n-gram guesses against without, on
+the demo model, timed in turns.
+
+Workloads (greedy, ``ignore_eos``):
+
+- ``batch 1, code edit``: one prompt that quotes a block of the standard library's source and
+  asks for it again with a change (a refactor, a rename): the output repeats long runs of its
+  input, where prompt lookup guesses right often; 128 new tokens.
+- ``batch 32``: 32 such prompts at once, where the forward is busier and guesses pay less:
+  speculation on must not be slower than off (``disable_by_batch_size`` is the knob when it is).
+
+Figures: tok/s of each engine (median of rounds), the speedup, and the engine's acceptance
+counters (acceptance rate, mean tokens per verifying step, per-position acceptance). The
+draft-model proposer is not built yet; the suite says so in its results.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import statistics
+import time
+from typing import Any
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+NEW_TOKENS = 128
+TARGETS = {"ngram batch 1 speedup": 1.5, "batch 32 speedup (not slower)": 1.0}
+
+
+def _code_prompts(count: int) -> list[str]:
+    """Prompts that quote a function of the standard library and ask for it again."""
+    import textwrap
+    text = inspect.getsource(textwrap) + inspect.getsource(statistics)
+    prompts = []
+    for i in range(count):
+        source = text[4000 + 600 * i:4600 + 600 * i]
+        prompts.append(f"# original\n{source}\n# the same function, reformatted\n{source[:80]}")
+    return prompts
+
+
+def _tok_per_s(llm: Any, prompts: list[str], params: Any) -> float:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def measure(engines: dict[str, Any], prompts: list[str], rounds: int) -> dict[str, Any]:
+    from vgraph import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for name, llm in engines.items():  # warm-up: compile every shape once
+        llm.generate(prompts, params, use_tqdm=False)
+    before = engines["ngram"].engine.stats()
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            samples[name].append(_tok_per_s(llm, prompts, params))
+    after = engines["ngram"].engine.stats()
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    guessed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.spec_accepted_per_position, before.spec_accepted_per_position)]
+    tok_s = {name: statistics.median(values) for name, values in samples.items()}
+    return {"batch": len(prompts), "tok_per_s": {k: round(v, 1) for k, v in tok_s.items()},
+            "speedup": round(tok_s["ngram"] / tok_s["off"], 3),
+            "acceptance_rate": round(accepted / guessed, 3) if guessed else 0.0,
+            "mean_tokens_per_verify_step": round(1 + accepted / drafts, 3) if drafts else 0.0,
+            "accepted_per_position": [round(c / drafts, 3) for c in per_pos] if drafts else []}
+
+
+def run(device: str, quick: bool = False) -> dict:
+    from vgraph import LLM
+    engines = {"off": LLM("demo-model-v1", device=device, max_num_seqs=32),
+               "ngram": LLM("demo-model-v1", device=device, max_num_seqs=32, speculative_config=SPEC)}
+    rounds = 1 if quick else 5
+    rows = [measure(engines, _code_prompts(1), rounds), measure(engines, _code_prompts(8 if quick else 32), rounds)]
+    return {"suite": "spec-decode",
+            "config": {"device": device, "model": "demo-model-v1 (compiled)", "speculative_config": SPEC,
+                       "new_tokens": NEW_TOKENS, "rounds": rounds, "load_average": os.getloadavg(),
+                       "targets": TARGETS,
+                       "draft_model": "not built yet (speculative method 'draft_model' is refused)"},
+            "rows": rows}
+
+
+def summarize(result: dict) -> str:
+    lines = ["batch   off tok/s  ngram tok/s  speedup  acceptance  tokens/verify  per position"]
+    for r in result["rows"]:
+        lines.append(f"{r['batch']:>5} {r['tok_per_s']['off']:11.1f} {r['tok_per_s']['ngram']:12.1f} "
+                     f"{r['speedup']:8.3f} {r['acceptance_rate']:11.3f} {r['mean_tokens_per_verify_step']:14.3f}  "
+                     f"{r['accepted_per_position']}")
+    lines.append(f"(demo model, greedy, {NEW_TOKENS} new tokens; load average {result['config']['load_average']})")
+    return "\n".join(lines)
+
+
+def headline_figures(result: dict) -> dict[str, float]:
+    return {f"n-gram speedup, batch {r['batch']}": r["speedup"] for r in result["rows"]}
