@@ -3,9 +3,9 @@ the demo model, timed in turns.
 
 Workloads (greedy, ``ignore_eos``):
 
-- ``batch 1, code edit``: one prompt that quotes a block of the standard library's source and
-  asks for it again with a change (a refactor, a rename): the output repeats long runs of its
-  input, where prompt lookup guesses right often; 128 new tokens.
+- ``batch 1, code edit``: one prompt that quotes a block of the standard library's source twice
+  (an edit's before and after, unchanged here) and asks for it once more: the output repeats
+  long runs of its input, where prompt lookup guesses right often; 128 new tokens.
 - ``batch 32``: 32 such prompts at once, where the forward is busier and guesses pay less:
   speculation on must not be slower than off (``disable_by_batch_size`` is the knob when it is).
 
@@ -21,19 +21,19 @@ import statistics
 import time
 from typing import Any
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 NEW_TOKENS = 128
 TARGETS = {"ngram batch 1 speedup": 1.5, "batch 32 speedup (not slower)": 1.0}
 
 
 def _code_prompts(count: int) -> list[str]:
-    """Prompts that quote a function of the standard library and ask for it again."""
+    """Prompts that quote a block of the standard library's source twice and ask for it again."""
     import textwrap
     text = inspect.getsource(textwrap) + inspect.getsource(statistics)
     prompts = []
     for i in range(count):
-        source = text[4000 + 600 * i:4600 + 600 * i]
-        prompts.append(f"# original\n{source}\n# the same function, reformatted\n{source[:80]}")
+        source = text[4000 + 300 * i:4300 + 300 * i]
+        prompts.append(f"# before\n{source}\n# after\n{source}\n# once more\n{source[:80]}")
     return prompts
 
 
