@@ -534,7 +534,7 @@ class EngineConfig:
         return replace(self, device=device, compile=compile_config,
                        cache=self.cache.resolved(kind),
                        scheduler=self.scheduler.resolved(kind, wanted, self.parallel.world_size),
-                       parallel=parallel,
+                       parallel=parallel, speculative_config=_resolved_speculative(self.speculative_config, kind),
                        model=replace(self.model, model=str(model_path), max_model_len=wanted))
 
     @property
@@ -591,6 +591,18 @@ class EngineConfig:
                    compile=compile_config or CompileConfig(**parts["compile"]),
                    parallel=ParallelConfig(**parts["parallel"]), lora=LoRASettings(**parts["lora"]),
                    **parts["engine"])
+
+
+# On CPU a verify step's extra rows cost real compute: guesses stop paying at about 32 sequences
+# (perf/results/spec-decode-cpu.json: 1.38x at batch 1, 1.00x at 32), so they stop above 16
+# unless ``disable_by_batch_size`` is given. On a GPU a decode batch is memory-bound far longer.
+CPU_SPEC_MAX_BATCH = 16
+
+
+def _resolved_speculative(spec: Optional[SpeculativeConfig], device_type: str) -> Optional[SpeculativeConfig]:
+    if spec is None or spec.disable_by_batch_size is not None or device_type != "cpu":
+        return spec
+    return replace(spec, disable_by_batch_size=CPU_SPEC_MAX_BATCH)
 
 
 def _check_parallel_devices(device: str, world_size: int) -> None:
