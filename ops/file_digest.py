@@ -13,6 +13,7 @@ from a damaged one in the message an operator reads.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -69,9 +70,8 @@ def _fsync_folder(folder: Path) -> None:
     except OSError:
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -79,10 +79,8 @@ def _fsync_folder(folder: Path) -> None:
 def remove_quietly(path: Optional[str]) -> None:
     """Removes a temporary file if it is still there; cleanup must not mask the real error."""
     if path:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
 
 
 def fsync_file(path: Path) -> None:

@@ -333,7 +333,8 @@ class Scheduler:
                 request.num_pending_tokens -= 1
                 stopped = self._append_tokens(request, scheduled, result)
                 new_token_requests.append(request)
-                end -= len(scheduled.draft_token_ids) - request.num_step_tokens + 1  # rejected guesses
+                accepted = request.num_step_tokens - 1  # guesses kept (the step's own token follows them)
+                end -= len(scheduled.draft_token_ids) - accepted  # the rejected guesses' KV is not the cache's
             if request.status is not RequestStatus.PREEMPTED:  # running, or finished by this step
                 if scheduled.draft_token_ids:  # never scheduled ahead: nothing ran past this chunk
                     request.num_computed_tokens = end

@@ -23,6 +23,7 @@ engine keep several steps in flight (``submit`` now, ``collect`` the oldest resu
 """
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import logging
@@ -87,7 +88,7 @@ def threads_per_rank(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-class RankExecutor:
+class RankExecutor(abc.ABC):
     """The engine's side of the ranks, whatever starts them: one duplex connection per rank (a
     pipe to a local process, a TCP connection to a Ray actor), over which every rank runs the
     same loop (worker.run_rank). Stands where a ModelRunner stands for the engine
@@ -210,30 +211,30 @@ class RankExecutor:
 
     # ------------------------------------------------------------------ what a subclass says
 
+    @abc.abstractmethod
     def _wait(self, pending: list[Connection]) -> list[Connection]:
         """The connections among ``pending`` with a reply (or EOF) to read; raises
         ``WorkerFailed`` for a rank that died with its reply pending."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _died(self, rank: int) -> WorkerFailed:
         """The failure of a rank whose connection closed (it died)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _find_dead(self) -> Optional[WorkerFailed]:
         """A rank that is no longer running, if any (after a connection broke)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _label(self, rank: int) -> str:
         """How errors name a rank, e.g. "tensor-parallel worker rank 1 (pid 42)"."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _wait_stopped(self, timeout: float) -> None:
         """Lets the ranks that were told SHUTDOWN finish, for at most ``timeout`` seconds."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _stop_ranks(self) -> None:
         """Stops every rank still running and releases what the executor holds (idempotent)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the connections
 

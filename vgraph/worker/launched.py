@@ -42,7 +42,6 @@ class LaunchedStep:
                  pooled: Optional[dict[str, PooledChunk]] = None, record: bool = True) -> None:
         """``record``: the rows' requests are the runner's copies, which take pending tokens
         (not so for the dummy requests of warm-up, profiling and capture)."""
-        self.step = step
         self.requests = list(sampled_requests)
         self.token_ids = token_ids
         self._logprobs = logprobs
@@ -138,6 +137,9 @@ class PendingInputs:
 def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: torch.device) -> Optional[PendingInputs]:
     """The rows of ``step`` whose input is a pending token of an unfinished launched step, or
     None (the serial loop: every token is known when a step is built)."""
+    unfinished = [earlier for earlier in launched if not earlier.finished and earlier.token_ids is not None]
+    if not unfinished:
+        return None  # nothing is pending: no walk over the step's rows
     wanted: dict[str, int] = {}  # request id -> row of the new batch
     offset = 0
     for chunk in step.chunks:
@@ -152,9 +154,7 @@ def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: t
     if not wanted:
         return None
     rows, sources = [], []
-    for earlier in launched:
-        if earlier.finished or earlier.token_ids is None:
-            continue
+    for earlier in unfinished:
         found = [(row, wanted.pop(rid)) for rid, row in earlier.row_of().items() if rid in wanted]
         if found:
             sources.append((earlier.token_ids, torch.tensor([f[0] for f in found], device=device)))

@@ -325,12 +325,13 @@ class ModelRunner:
         if not batch.sampled_requests:
             return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))
-        if _reads_output_tokens(batch.sampled_requests):
+        if self.launched and _reads_output_tokens(batch.sampled_requests):
             for earlier in self.launched:  # penalties count the earlier steps' tokens: read them
                 earlier.finish()
         meta = (self.sampling.get(batch.sampled_requests, masks) if record
                 else SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks))
-        out = self.sampler(logits, meta, _draft_rows(step, self.device))
+        drafts = None if self.config.speculative_config is None else _draft_rows(step, self.device)
+        out = self.sampler(logits, meta, drafts)
         return LaunchedStep(step, batch.sampled_requests, out.token_ids, out.logprobs, prompt_logprobs, pooled,
                             record)
 
