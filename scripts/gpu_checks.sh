@@ -9,6 +9,7 @@
 #
 # Steps, most important first (names to pass as arguments; default: all of them, in order):
 #   doctor       vgraph doctor: kernels, graph capture, the engine on this GPU
+#   overlap      pytest -m gpu: the overlapped loop and speculation on CUDA, then graphs vs eager
 #   e2e          python -m perf run e2e --device cuda --quick (the GPU targets)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
@@ -104,6 +105,8 @@ setup() {
 run_step() {
   case "$1" in
     doctor) step doctor 150 "$PY" -m vgraph.cli doctor ;;
+    overlap) step overlap 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_overlap_cuda.py \
+      tests/compiler/test_cudagraph_gpu.py ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without
@@ -126,7 +129,7 @@ run_step() {
 }
 
 STEPS=("$@")
-((${#STEPS[@]})) || STEPS=(doctor e2e pytest-ops pytest-rest ops-check lora-fp8 decode ops)
+((${#STEPS[@]})) || STEPS=(doctor overlap e2e pytest-ops pytest-rest ops-check lora-fp8 decode ops)
 say "gpu_checks: steps ${STEPS[*]}; budget ${BUDGET_S} s; $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null)"
 # In this shell, not a pipeline's subshell: its PYTHONPATH must reach every step.
 # GPU_CHECKS_SKIP_SETUP=1: the environment is ready (a machine set up by hand, a dry run on CPU).

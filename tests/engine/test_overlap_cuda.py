@@ -1,0 +1,79 @@
+"""The overlapped loop and speculative decoding on a real GPU, with CUDA graphs (FULL decode
+buckets and PIECEWISE pieces): what the CPU tests prove with an emulated device, here with the
+device's own asynchronous launches, the pinned copy of the sampled ids and the step thread.
+
+Tokens must be identical, and logprobs equal. On CUDA the two loops may group requests into
+different batches (the overlapped one never schedules a grammar's request ahead), and a matrix
+product of another row count may pick another kernel: fp32 logprobs are therefore compared to
+1e-4, tokens exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoints import tiny_checkpoint
+from tests.engine.test_overlapped_scheduling import _workload
+from vgraph import LLM, SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _llm(**kwargs) -> LLM:
+    kwargs = {"num_gpu_blocks": 10, "block_size": 16, "max_num_batched_tokens": 48, **kwargs}
+    return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cuda", seed=0, **kwargs)
+
+
+def _close_logprobs(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is None or y is None:  # a prompt's first token has no logprob
+            if x is not y:
+                return False
+            continue
+        if x.keys() != y.keys():
+            return False
+        if any(abs(_value(x[t]) - _value(y[t])) > 1e-4 for t in x):
+            return False
+    return True
+
+
+def _value(logprob) -> float:
+    return getattr(logprob, "logprob", logprob)
+
+
+def _run(llm: LLM) -> list:
+    prompts, params = zip(*_workload())
+    return llm.generate(list(prompts), list(params), use_tqdm=False)
+
+
+def test_overlapped_and_serial_loops_agree_on_cuda():
+    serial, overlapped = _llm(async_scheduling=False), _llm(async_scheduling=True)
+    expected, got = _run(serial), _run(overlapped)
+    assert serial.engine.scheduler.num_preemptions > 0, "the small KV cache preempts"
+    for e, g in zip(expected, got):
+        assert _close_logprobs(e.prompt_logprobs, g.prompt_logprobs)
+        for ce, cg in zip(e.outputs, g.outputs, strict=True):
+            assert (cg.token_ids, cg.text, cg.finish_reason, cg.stop_reason) == \
+                (ce.token_ids, ce.text, ce.finish_reason, ce.stop_reason)
+            assert _close_logprobs(ce.logprobs, cg.logprobs)
+    for llm in (serial, overlapped):
+        pool = llm.engine.scheduler.block_pool
+        assert pool.num_free_blocks == pool.num_blocks, "every block came back"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_speculation_equals_plain_greedy_on_cuda(overlap):
+    prompts = ["a b c d a b c d a b c d a b", "one two three one two three one two", "x y x y x y x y x y"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _llm(num_gpu_blocks=64, async_scheduling=overlap)
+    spec = _llm(num_gpu_blocks=64, async_scheduling=overlap, speculative_config=SPEC)
+    for batch in (prompts[:1], prompts):
+        want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)]
+        assert got == want
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
