@@ -15,17 +15,17 @@ def _proposer(k=4, lo=1, hi=3) -> NgramProposer:
 def test_the_longest_suffix_match_proposes_what_followed_it():
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 1, 2, 3, 4]
     # The suffix [2, 3, 4] occurs twice before; the latest (followed by 7, 1) wins.
-    assert _proposer().propose(tokens, 10) == [7, 1, 2, 3]
-    assert _proposer(k=2).propose(tokens, 10) == [7, 1]
-    assert _proposer().propose(tokens, 1) == [7], "the limit caps the guesses"
-    assert _proposer().propose(tokens, 0) == []
+    assert _proposer().lookup(tokens, 10) == [7, 1, 2, 3]
+    assert _proposer(k=2).lookup(tokens, 10) == [7, 1]
+    assert _proposer().lookup(tokens, 1) == [7], "the limit caps the guesses"
+    assert _proposer().lookup(tokens, 0) == []
 
 
 def test_no_match_or_too_short_proposes_nothing():
-    assert _proposer().propose([1, 2, 3, 4], 4) == []
-    assert _proposer().propose([5], 4) == []
-    assert _proposer(lo=2, hi=2).propose([1, 2, 9, 2], 4) == [], "one matching token is below the minimum"
-    assert _proposer(lo=1, hi=2).propose([1, 2, 9, 2], 4) == [9, 2]
+    assert _proposer().lookup([1, 2, 3, 4], 4) == []
+    assert _proposer().lookup([5], 4) == []
+    assert _proposer(lo=2, hi=2).lookup([1, 2, 9, 2], 4) == [], "one matching token is below the minimum"
+    assert _proposer(lo=1, hi=2).lookup([1, 2, 9, 2], 4) == [9, 2]
 
 
 def test_config_takes_vllm_json_and_refuses_what_is_not_built():

@@ -35,8 +35,7 @@ from .kv_cache_manager import KVCacheManager
 from .outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
 from .request import Request, RequestStatus
 from .step_plan import StepPlan, StepPlanner
-from ..spec.config import SpeculativeConfig
-from ..spec.ngram import NgramProposer
+from ..spec.proposer import ProposalRequest, Proposer
 from ..spec.stats import SpecDecodeStats, speculates
 
 
@@ -101,7 +100,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, max_model_len: int, max_loras: Optional[int] = None,
                  schedule_ahead: bool = False, microbatches: int = 1,
-                 speculative: Optional[SpeculativeConfig] = None) -> None:
+                 proposer: Optional[Proposer] = None) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -121,9 +120,9 @@ class Scheduler:
         # Pipeline stages: each step takes at most 1/microbatches of the requests, so the steps in
         # flight (one per stage) share them instead of one step taking all and the others none.
         self.microbatches = microbatches
-        self.speculative = speculative
-        self.proposer = None if speculative is None else NgramProposer(speculative)
-        self.spec_stats = SpecDecodeStats(0 if speculative is None else speculative.num_speculative_tokens)
+        # Speculative decoding: the proposer the engine built from the config (spec/proposers.py).
+        self.proposer = proposer
+        self.spec_stats = SpecDecodeStats(0 if proposer is None else proposer.k)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -192,12 +191,11 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, budget: int, seats: int) -> int:
         """Schedules running requests in order, preempting the newest when blocks run out."""
         index = 0
-        speculate = self.proposer is not None and (self.speculative.disable_by_batch_size is None
-                                                   or len(self.running) <= self.speculative.disable_by_batch_size)
+        guesses = self._proposals(budget, seats)
         while index < len(self.running) and budget > 0 and len(output.scheduled) < seats:
             request = self.running[index]
             num_new = min(self._num_schedulable(request), budget)
-            drafts = self._propose(request, budget) if speculate and num_new == 1 else []
+            drafts = guesses.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
             num_new += len(drafts)
             if num_new > 0:
                 if not self._allocate_or_preempt(request, num_new, output):
@@ -207,16 +205,34 @@ class Scheduler:
             index += 1
         return budget
 
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Guessed tokens to verify after a decode's token: as many as the budget, the
-        request's remaining tokens (the step adds one of its own) and the context allow."""
-        if not speculates(request):
-            return []
-        params = request.sampling_params
-        room = min(budget - 1, self.max_seq_len - request.num_tokens - 1)
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - len(request.output_token_ids) - 1)
-        return self.proposer.propose(request.all_token_ids, room)
+    def _proposals(self, budget: int, seats: int) -> dict[str, list[int]]:
+        """Guesses for the running requests that decode one token this step and may speculate,
+        asked of the proposer in one batch (a draft model runs them together). Only as many
+        requests as the step can seat are asked; the loop trims guesses the budget cannot take."""
+        proposer = self.proposer
+        if proposer is None:
+            return {}
+        limit = proposer.config.disable_by_batch_size
+        if limit is not None and len(self.running) > limit:
+            return {}
+        batch = []
+        for request in self.running[:min(seats, budget)]:
+            if self._num_schedulable(request) == 1 and speculates(request):
+                room = self._room(request)
+                if room > 0:
+                    batch.append(ProposalRequest(request.request_id, request.all_token_ids, room))
+        if not batch:
+            return {}
+        return {asked.request_id: guess for asked, guess in zip(batch, proposer.propose(batch)) if guess}
+
+    def _room(self, request: Request) -> int:
+        """Guesses that fit after a decode's token: the step adds one of its own, and neither
+        the context nor ``max_tokens`` may be passed."""
+        room = self.max_seq_len - request.num_tokens - 1
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - len(request.output_token_ids) - 1)
+        return room
 
     def _num_schedulable(self, request: Request) -> int:
         """Tokens of ``request`` that may run now: none while its pending token is needed on
@@ -248,6 +264,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -433,6 +451,8 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.planner.forget(request.request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
 
     def _validate(self, request: Request) -> None:
         if request.request_id in self.requests:

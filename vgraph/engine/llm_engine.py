@@ -23,6 +23,7 @@ from ..structured.bitmask import fill_masks
 from ..structured.matcher import GrammarState
 from ..distributed.executors import make_executor
 from ..lora.request import LoRARequest
+from ..spec.proposers import build_proposer
 from ..worker.startup import engine_timeline, process_age
 from .inputs import PREFILL_ONLY, InputError, PromptType, check_prompt, prompt_to_ids
 from .outputs import OutputDelta, SequenceDelta
@@ -99,7 +100,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.runner.num_blocks,
                                    self.max_model_len, lora.max_loras if lora.enable_lora else None,
                                    schedule_ahead=overlap and stages == 1, microbatches=stages,
-                                   speculative=self.config.speculative_config)
+                                   proposer=build_proposer(self.config, self.tokenizer, self.vocab_size,
+                                                           self.runner.num_blocks))
         if self.config.speculative_config is not None:
             logger.info("speculative decoding: %s", self.config.speculative_config.describe())
         # Steps submitted to the runner and not yet collected, with the groups each scheduled

@@ -8,14 +8,21 @@ context predicts better); the most recent earlier occurrence wins.
 from __future__ import annotations
 
 from .config import SpeculativeConfig
+from .proposer import ProposalRequest, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
-        self.k = config.num_speculative_tokens
+        super().__init__(config)
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, tokens: list[int], limit: int) -> list[int]:
+    def propose(self, batch: list[ProposalRequest]) -> list[list[int]]:
+        return [self.lookup(r.token_ids, r.room) for r in batch]
+
+    def forget(self, request_id: str) -> None:
+        """Nothing to drop: every lookup reads the request's tokens afresh."""
+
+    def lookup(self, tokens: list[int], limit: int) -> list[int]:
         """Up to ``min(k, limit)`` tokens guessed to follow ``tokens`` (none without a match)."""
         limit = min(self.k, limit)
         if limit <= 0:
