@@ -33,7 +33,7 @@ def test_config_takes_vllm_json_and_refuses_what_is_not_built():
                                                                '"prompt_lookup_max": 5}')
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
     with pytest.raises(ValueError, match="not built yet"):
-        SpeculativeConfig.parse({"method": "draft_model", "model": "x"})
+        SpeculativeConfig.parse({"method": "eagle", "model": "x"})
     with pytest.raises(ValueError, match="unknown field"):
         SpeculativeConfig.parse({"method": "ngram", "bogus": 1})
     with pytest.raises(ValueError, match="not valid JSON"):
