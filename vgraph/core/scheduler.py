@@ -212,8 +212,11 @@ class Scheduler:
         proposer = self.proposer
         if proposer is None:
             return {}
+        # Enqueued requests count, waiting ones too (vLLM's rule): while a large batch is still
+        # being admitted, its first requests would otherwise speculate, the draft prefilling their
+        # prompts, only to stop a few steps later.
         limit = proposer.config.disable_by_batch_size
-        if limit is not None and len(self.running) > limit:
+        if limit is not None and len(self.running) + len(self.waiting) > limit:
             return {}
         batch = []
         for request in self.running[:min(seats, budget)]:

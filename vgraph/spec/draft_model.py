@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import CacheConfig, EngineConfig, LoRASettings, ParallelConfig
 from ..core.step_plan import PlannedChunk, PlannedRequest, StepPlan
 from ..sampling_params import SamplingParams
+from .config import SpeculativeConfig
 from .proposer import ProposalRequest, Proposer
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class DraftBlocks:
 class DraftModelProposer(Proposer):
     """Greedy k-token guesses from a draft model's runner, one batched forward per guess."""
 
-    def __init__(self, config: Any, runner: "ModelRunner", budget: int) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: "ModelRunner", budget: int) -> None:
         super().__init__(config)
         self.runner = runner
         self.blocks = DraftBlocks(runner.num_blocks, runner.spec.block_size)
@@ -158,7 +159,7 @@ class DraftModelProposer(Proposer):
             guesses.setdefault(request_id, []).append(token_id)
 
 
-def build_draft_proposer(config: Any, target: EngineConfig, tokenizer: Any, vocab_size: int,
+def build_draft_proposer(config: SpeculativeConfig, target: EngineConfig, tokenizer: Any, vocab_size: int,
                          target_blocks: int) -> DraftModelProposer:
     """Starts the draft's runner from the target's resolved config and checks that it shares
     the target's vocabulary (else its guesses would be other tokens' ids). ``target_blocks``:
