@@ -190,3 +190,13 @@ def test_tensor_parallel_target_with_a_draft_in_the_engine_process(plain):
         _assert_draft_empty(tp2)
     finally:
         tp2.close()
+
+
+def test_catch_up_longer_than_the_step_budget(plain, noisy):
+    """Prompts longer than max_num_batched_tokens (64): the draft's first catch-up is split over
+    several forwards, packed with the other requests' chunks."""
+    long = [" ".join(PROMPTS) * 2, " ".join(reversed(PROMPTS)) * 2]
+    assert all(len(plain.get_tokenizer()(p).input_ids) > 64 for p in long)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert _tokens(noisy, long + PROMPTS[:1], params) == _tokens(plain, long + PROMPTS[:1], params)
+    _assert_draft_empty(noisy)
