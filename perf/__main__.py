@@ -22,7 +22,8 @@ from .timing import RESULTS_DIR, machine_info, write_results
 
 SUITES = ("ops", "offline", "startup", "compile", "serving", "serving-dp", "serving-engine-process", "decode",
           "hardening", "fusion-study", "structured", "cpu-peers", "tensor-parallel", "pipeline-parallel",
-          "host-overhead", "lora", "e2e", "ray-executor", "serving-vllm", "busy-neighbour", "spec-decode")
+          "host-overhead", "lora", "e2e", "ray-executor", "serving-vllm", "busy-neighbour", "spec-decode",
+          "spec-verify")
 
 
 def module_name(suite: str) -> str:

@@ -11,6 +11,8 @@
 #   doctor       vgraph doctor: kernels, graph capture, the engine on this GPU
 #   overlap      pytest -m gpu: the overlapped loop and speculation on CUDA, then graphs vs eager
 #   e2e          python -m perf run e2e --device cuda --quick (the GPU targets)
+#   spec-verify  python -m perf run spec-verify --device cuda --quick (8B first: a verify step vs a decode step)
+#   profile      python -m perf.profile_step (0.5B, batch 1: step vs device busy time, Python and op profiles)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
@@ -107,6 +109,9 @@ run_step() {
     doctor) step doctor 150 "$PY" -m vgraph.cli doctor ;;
     overlap) step overlap 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_overlap_cuda.py \
       tests/compiler/test_cudagraph_gpu.py ;;
+    spec-verify) step spec-verify 240 env PERF_DECODE_SHAPES=llama3-8b,qwen2.5-0.5b \
+      "$PY" -m perf run spec-verify --device cuda --quick ;;
+    profile) step profile 150 "$PY" -m perf.profile_step --out "$LOGDIR/profile" ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without
@@ -129,7 +134,7 @@ run_step() {
 }
 
 STEPS=("$@")
-((${#STEPS[@]})) || STEPS=(doctor overlap e2e pytest-ops pytest-rest ops-check lora-fp8 decode ops)
+((${#STEPS[@]})) || STEPS=(doctor overlap e2e spec-verify profile pytest-ops pytest-rest ops-check lora-fp8 decode ops)
 say "gpu_checks: steps ${STEPS[*]}; budget ${BUDGET_S} s; $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null)"
 # In this shell, not a pipeline's subshell: its PYTHONPATH must reach every step.
 # GPU_CHECKS_SKIP_SETUP=1: the environment is ready (a machine set up by hand, a dry run on CPU).

@@ -25,8 +25,11 @@ GPU_NEW_PROMPT = 9
 
 
 def gpu_llm_kwargs(dtype: str, mode: str) -> dict[str, Any]:
-    """The GPU tests' ``LLM`` arguments, less the device."""
-    return dict(dtype=dtype, num_gpu_blocks=512, max_num_seqs=GPU_MAX_SEQS, max_num_batched_tokens=1024,
+    """The GPU tests' ``LLM`` arguments, less the device. The serial loop: the scenarios drive
+    the scheduler and the runner by hand, one step at a time, and read each step's inputs (the
+    overlapped loop would leave a decode's token on the device, unread; its own tests are
+    tests/engine/test_overlap_cuda.py)."""
+    return dict(dtype=dtype, async_scheduling=False, num_gpu_blocks=512, max_num_seqs=GPU_MAX_SEQS, max_num_batched_tokens=1024,
                 compile_config=CompileConfig(cudagraph_mode=mode, cudagraph_capture_sizes=GPU_SIZES))
 
 

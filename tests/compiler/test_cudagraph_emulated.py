@@ -119,14 +119,14 @@ def test_greedy_tokens_with_graphs_equal_transformers(emulated, prompts, batch_s
     runner = llm.engine.runner
     before = _buffer_pointers(runner)
     bucket = next(b for b in llm.engine.runner.graphs.buckets.full if b >= batch_size)
-    replays = runner.graphs.full_graphs.graphs[bucket].replays
+    replays = runner.graphs.full_graphs.graphs[(bucket, 1)].replays
     runner.graphs.dispatch_counts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch_size]], params, use_tqdm=False)
     path = tiny_checkpoint(arch="llama")
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
-    assert runner.graphs.full_graphs.graphs[bucket].replays - replays == NEW_TOKENS - 1, "decode steps replayed"
+    assert runner.graphs.full_graphs.graphs[(bucket, 1)].replays - replays == NEW_TOKENS - 1, "decode steps replayed"
     assert runner.graphs.piecewise_graphs.misses == 0
     assert _buffer_pointers(runner) == before, "no buffer was reallocated between replays"
     assert llm.engine.runner.compile_counters.recompiles == 0
@@ -222,9 +222,9 @@ def test_a_full_body_over_the_batchs_own_tensors_is_refused(emulated, per_call, 
         inputs = graphs.decode_buffers.fill(batch)
         ids = batch.input_ids if per_call == "input_ids" else inputs.input_ids
         meta = batch.attn_metadata if per_call == "attention metadata" else inputs.attn_metadata
-        full = FullGraphs(None, graphs.decode_buffers.max_seqs)
+        full = FullGraphs(None, graphs.decode_buffers.max_rows)
         with pytest.raises(CaptureSafetyError, match=f"{refused} .* the graph does not own"):
-            full.capture(8, lambda: graphs._forward_inputs(ids, inputs.positions, meta, None), graphs._persistent())
+            full.capture((8, 1), lambda: graphs._forward_inputs(ids, inputs.positions, meta, None), graphs._persistent())
 
 
 @pytest.mark.parametrize("mode", [CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE])

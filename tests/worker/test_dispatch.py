@@ -3,6 +3,8 @@ capture sizes, the batch builder's padding, and that padded attention inputs com
 what unpadded ones do."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,7 +16,8 @@ from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.batch import BatchBuilder, FlatBatch
 from vgraph.worker.cuda_graphs import DecodeBuffers
-from vgraph.worker.dispatch import BatchShape, Decision, Path, capture_sizes, choose, default_capture_sizes
+from vgraph.worker.dispatch import (BatchShape, Decision, Path, VerifyShape, capture_sizes, choose,
+                                   default_capture_sizes)
 from vgraph.core.outputs import ModelRunnerOutput
 
 DEFAULT = capture_sizes(CompileConfig(), max_num_seqs=256, max_num_batched_tokens=8192)
@@ -253,3 +256,83 @@ def test_decode_buffers_are_inference_tensors_like_every_runner_input():
     bufs = DecodeBuffers(max_seqs=4, max_blocks_per_seq=2, device=torch.device("cpu"))
     assert all(t.is_inference() for t in bufs.tensors())
     assert bufs.nbytes == sum(t.numel() * t.element_size() for t in bufs.tensors())
+
+
+# ---------------------------------------------------------------------------- speculative verify batches
+
+VERIFY = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8]), max_num_seqs=8,
+                       max_num_batched_tokens=64, verify=VerifyShape(query_len=3, max_seqs=8, max_model_len=64))
+
+
+def _verify_step(drafts: list[tuple[int, ...]]) -> RunnerStep:
+    """Decodes of prompts 5, 9 and 2 tokens long, each followed by its guesses (the blocks the
+    scheduler allocated hold them: 8, 12 and 4 slots)."""
+    step = _decode_sched(_scheduler(), [5, 9, 2])
+    return RunnerStep(tuple(replace(c, num_new_tokens=1 + len(d), draft_token_ids=d)
+                            for c, d in zip(step.chunks, drafts)))
+
+
+def test_verify_buckets_hold_k_plus_1_rows_a_sequence_within_the_budget():
+    assert VERIFY.verify == (1, 2, 4, 8) and VERIFY.verify_query_len == 3 and VERIFY.verify_max_start == 61
+    tight = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8, 16]), 16, 32,
+                          verify=VerifyShape(query_len=5, max_seqs=2, max_model_len=64))
+    assert tight.verify == (1, 2), "speculation stops above 2 sequences"
+    assert capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8]), 8, 20,
+                         verify=VerifyShape(5, 8, 64)).verify == (1, 2, 4), "4 x 5 rows fit 20 tokens, 8 x 5 do not"
+
+
+def test_a_decode_with_guesses_is_a_verify_batch():
+    step = _verify_step([(11, 12), (13,), ()])
+    shape = BatchShape.of_step(step)
+    assert shape == BatchShape(6, 3, False, verify=True, max_start=9)
+    d = choose(shape, VERIFY, BOTH)
+    assert d == Decision(Path.FULL, 12, 6, query_len=3) and d.rows_per_chunk == 3, "4 sequences of 3 rows"
+    assert choose(shape, DEFAULT, BOTH).path is Path.PIECEWISE, "no verify buckets without speculation"
+    assert choose(shape, VERIFY, CudaGraphMode.PIECEWISE).path is Path.PIECEWISE
+    near_the_end = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4, 8]), 8, 64,
+                                 verify=VerifyShape(3, 8, 11))
+    assert choose(shape, near_the_end, BOTH).path is Path.PIECEWISE, "padded rows would pass the context's end"
+    plain = BatchShape.of_step(_verify_step([(), (), ()]))
+    assert plain.uniform_decode and choose(plain, VERIFY, BOTH) == Decision(Path.FULL, 4, 3)
+
+
+def test_verify_padding_fills_each_sequence_to_k_plus_1_rows():
+    step = _verify_step([(11, 12), (13,), ()])
+    batch = BUILDER.build(step, Decision(Path.FULL, 12, 6, query_len=3))
+    meta = batch.attn_metadata
+    assert batch.input_ids.tolist() == [7, 11, 12, 7, 13, 0, 7, 0, 0, 0, 0, 0]
+    assert batch.positions.tolist()[:9] == [5, 6, 7, 9, 10, 10, 2, 2, 2]
+    assert meta.query_start_loc.tolist() == [0, 3, 6, 9, 12] and meta.max_query_len == 3
+    assert meta.seq_lens.tolist() == [8, 12, 5, 0], "each sequence as if all k guesses were there"
+    slots = meta.slot_mapping.tolist()
+    assert [slots[i] for i in (5, 7, 8, 9, 10, 11)] == [-1] * 6, "padded rows write no KV"
+    assert batch.sample_indices.tolist() == [0, 1, 2, 3, 4, 6], "only real rows are sampled"
+    assert batch.num_scheduled == 9
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu"), verify_query_len=3,
+                         max_verify_seqs=4)
+    view = bufs.fill(batch)
+    assert view.attn_metadata.query_start_loc.tolist() == [0, 3, 6, 9, 12] and view.attn_metadata.max_query_len == 3
+    assert bufs.fill(_build(_decode_sched(_scheduler(), [5, 9, 2]), Path.FULL, 4)).attn_metadata.max_query_len == 1
+
+
+def test_padded_verify_attention_equals_unpadded_and_writes_the_same_cache():
+    step = _verify_step([(11, 12), (13,), ()])
+    plain = _build(step, Path.NONE, 6)
+    n, real = plain.num_tokens, [0, 1, 2, 3, 4, 6]
+    q, k, v = torch.randn(n, 4, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    plain_caches = _caches()
+    padded_caches = [(kc.clone(), vc.clone()) for kc, vc in plain_caches]
+    expected = _attention(q, k, v, plain.attn_metadata, plain_caches)
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu"), verify_query_len=3,
+                         max_verify_seqs=8)
+    meta = bufs.fill(BUILDER.build(step, Decision(Path.FULL, 12, 6, query_len=3))).attn_metadata
+
+    def pad(t):
+        out = torch.randn(12, *t.shape[1:])
+        out[real] = t
+        return out
+
+    out = _attention(pad(q), pad(k), pad(v), meta, padded_caches)
+    torch.testing.assert_close(out[real], expected, rtol=1e-6, atol=1e-6)
+    for (a, b), (c, d) in zip(plain_caches, padded_caches):
+        assert torch.equal(a, c) and torch.equal(b, d), "padded rows write nothing"

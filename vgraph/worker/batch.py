@@ -6,6 +6,9 @@ token writes no KV (slot -1) and either belongs to no sequence (rows past
 ``query_start_loc[-1]``: PIECEWISE and NONE) or to an empty sequence of its own (FULL: one
 token, sequence length 0), so attention gives it zeros and the real rows' results are those
 of the unpadded batch. Padded rows are dropped after the forward (``FlatBatch.num_scheduled``).
+A FULL verify batch (speculative guesses, ``Decision.query_len`` > 1) also pads each sequence
+to its fixed row count: those rows come after the sequence's own, write no KV, and are never
+sampled, so causal attention keeps the real rows' results; they stay inside ``num_scheduled``.
 """
 from __future__ import annotations
 
@@ -104,13 +107,13 @@ class BatchBuilder:
     def build(self, step: RunnerStep, decision: Decision) -> FlatBatch:
         """Concatenates every scheduled chunk (tokens, positions, cache slots, block table
         rows), pads to ``decision.bucket``, and moves it to the device in one go per tensor."""
-        rows, sample_rows, sampled = self._rows(step)
+        rows, sample_rows, sampled = self._rows(step, decision.rows_per_chunk)
         num_scheduled = len(rows.ids)
         padding = decision.bucket - num_scheduled
         if padding < 0:
             raise ValueError(f"cannot pad {num_scheduled} tokens down to {decision.bucket}")
         if decision.path is Path.FULL:
-            self._pad_sequences(rows, padding)
+            self._pad_sequences(rows, padding // decision.query_len, decision.query_len)
         else:
             self._pad_rows(rows, padding)
         meta = self._metadata(rows, decision)
@@ -139,7 +142,8 @@ class BatchBuilder:
         return not any(c.request.num_prompt_logprobs is not None or c.request.pooling_type is not None
                        for c in step.chunks)
 
-    def _rows(self, step: RunnerStep) -> tuple[_Rows, list[int], list[RunnerRequest]]:
+    def _rows(self, step: RunnerStep, rows_per_chunk: int) -> tuple[_Rows, list[int], list[RunnerRequest]]:
+        """The chunks' rows; with ``rows_per_chunk`` each chunk is padded to that many."""
         rows = _Rows([], [], [], [], [], [])
         sample_rows, sampled = [], []
         size = self.block_size
@@ -155,13 +159,19 @@ class BatchBuilder:
                 rows.ids.extend(item.token_ids)
                 rows.positions.extend(range(start, end))
                 rows.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            rows.q_lens.append(n)
-            rows.seq_lens.append(end)
-            rows.tables.append(blocks)
             if item.produces_token:  # the last row, and each guess's row before it (spec/)
                 last = len(rows.ids)
                 sample_rows.extend(range(last - item.num_sampled_rows, last))
                 sampled.extend([req] * item.num_sampled_rows)
+            if rows_per_chunk > n:  # guesses this sequence lacks: rows that write no KV
+                extra = rows_per_chunk - n
+                rows.ids.extend([PAD_TOKEN_ID] * extra)
+                rows.positions.extend([end - 1] * extra)  # any valid position: they are only read
+                rows.slots.extend([-1] * extra)
+                n, end = rows_per_chunk, start + rows_per_chunk
+            rows.q_lens.append(n)
+            rows.seq_lens.append(end)
+            rows.tables.append(blocks)
         return rows, sample_rows, sampled
 
     @staticmethod
@@ -173,14 +183,15 @@ class BatchBuilder:
             rows.slots.extend([-1] * count)
 
     @staticmethod
-    def _pad_sequences(rows: _Rows, count: int) -> None:
-        """``count`` empty sequences of one token each, so every row of a FULL batch is a
-        decode row (the graph's ``query_start_loc`` is ``0..B``)."""
+    def _pad_sequences(rows: _Rows, count: int, query_len: int = 1) -> None:
+        """``count`` empty sequences of ``query_len`` rows each (sequence length 0: attention
+        gives them zeros), so every sequence of a FULL batch has the same rows (the graph's
+        ``query_start_loc`` is ``0, q, 2q, ..``)."""
         if count:
-            rows.ids.extend([PAD_TOKEN_ID] * count)
-            rows.positions.extend([0] * count)
-            rows.slots.extend([-1] * count)
-            rows.q_lens.extend([1] * count)
+            rows.ids.extend([PAD_TOKEN_ID] * (count * query_len))
+            rows.positions.extend([0] * (count * query_len))
+            rows.slots.extend([-1] * (count * query_len))
+            rows.q_lens.extend([query_len] * count)
             rows.seq_lens.extend([0] * count)
             rows.tables.extend([[]] * count)
 

@@ -12,7 +12,9 @@ input buffers (``DecodeBuffers``): the attention op reads its metadata from the 
 context at capture time, so the kernels' pointers are those buffers' and each batch is
 copied *into* them before replay. Host-side choices the attention op makes
 (``max_query_len`` = 1, the split-KV count) are fixed per graph. The output is copied,
-inside the graph, into one persistent hidden-state buffer.
+inside the graph, into one persistent hidden-state buffer. A verify bucket (speculative
+decoding: S sequences of k + 1 rows each) is captured the same way over the same buffers,
+with ``max_query_len`` = k + 1 and its own ``query_start_loc`` (``0, k+1, 2(k+1), ..``).
 
 Without CUDA nothing is captured and the same decisions and padding run the compiled
 forward at the padded size (vgraph/worker/dispatch.py).
@@ -61,57 +63,72 @@ class DecodeInputs:
 class DecodeBuffers:
     """Persistent inputs of FULL buckets, allocated once for the largest one; bucket B uses
     views of the first B rows, so a graph captured over those views reads whatever ``fill``
-    copied in before replay. Every sequence of a FULL batch owns exactly one row, so
-    ``query_start_loc`` is ``0..B`` and is written once, here."""
+    copied in before replay. Every sequence of a FULL decode batch owns exactly one row, so
+    its ``query_start_loc`` is ``0..B``; a verify batch's sequences own ``verify_query_len``
+    rows each. Both are written once, here."""
 
     @torch.inference_mode()
     def __init__(self, max_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 stage_input: Optional[StageInput] = None) -> None:
-        """``stage_input``: on a later pipeline stage the inputs are the previous stage's rows."""
+                 stage_input: Optional[StageInput] = None, verify_query_len: int = 0,
+                 max_verify_seqs: int = 0) -> None:
+        """``stage_input``: on a later pipeline stage the inputs are the previous stage's rows.
+        ``verify_query_len`` and ``max_verify_seqs``: the verify buckets' shape (0: none)."""
         # Inference tensors, like every other input the runner makes: the compiled forward
         # guards on that, and on Dynamo's frame an ordinary tensor would be a recompile.
         long, i32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
-        self.max_seqs = max_seqs
+        self.max_seqs = max(max_seqs, max_verify_seqs)
+        self.max_rows = max(max_seqs, max_verify_seqs * verify_query_len)
+        rows, seqs = self.max_rows, self.max_seqs
         if stage_input is None:
-            self.input_ids = torch.zeros(max_seqs, **long)
+            self.input_ids = torch.zeros(rows, **long)
         else:
-            self.input_ids = torch.zeros((max_seqs, stage_input.width), dtype=stage_input.dtype, device=device)
-        self.positions = torch.zeros(max_seqs, **long)
-        self.slot_mapping = torch.full((max_seqs,), -1, **long)
-        self.block_table = torch.zeros((max_seqs, max(1, max_blocks_per_seq)), **i32)
-        self.seq_lens = torch.zeros(max_seqs, **i32)
-        self.query_start_loc = torch.arange(max_seqs + 1, **i32)
-        self._views: dict[int, DecodeInputs] = {}
+            self.input_ids = torch.zeros((rows, stage_input.width), dtype=stage_input.dtype, device=device)
+        self.positions = torch.zeros(rows, **long)
+        self.slot_mapping = torch.full((rows,), -1, **long)
+        self.block_table = torch.zeros((seqs, max(1, max_blocks_per_seq)), **i32)
+        self.seq_lens = torch.zeros(seqs, **i32)
+        # query_start_loc per rows-per-sequence: 1 (decode) and k + 1 (verify)
+        self.query_start_locs = {1: torch.arange(max_seqs + 1, **i32)}
+        if verify_query_len > 1:
+            self.query_start_locs[verify_query_len] = torch.arange(max_verify_seqs + 1, **i32) * verify_query_len
+        self._views: dict[tuple[int, int], DecodeInputs] = {}
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """The decode buckets' ``0..B``."""
+        return self.query_start_locs[1]
 
     @torch.inference_mode()
     def fill(self, batch: FlatBatch) -> DecodeInputs:
         """Copies a FULL batch (already padded to its bucket by the builder) in place and
         returns the bucket's views (the same objects every time: the metadata a graph was
         captured with is the metadata it replays with)."""
-        meta, bucket = batch.attn_metadata, batch.num_tokens
+        meta, rows = batch.attn_metadata, batch.num_tokens
         self._check(batch)
-        view = self._views.get(bucket)
+        seqs, q = meta.num_seqs, meta.max_query_len
+        view = self._views.get((rows, q))
         if view is None:
-            view = self._views[bucket] = self._view(bucket, meta)
-        self.input_ids[:bucket].copy_(batch.input_ids)
-        self.positions[:bucket].copy_(batch.positions)
-        self.slot_mapping[:bucket].copy_(meta.slot_mapping)
-        self.seq_lens[:bucket].copy_(meta.seq_lens)
+            view = self._views[(rows, q)] = self._view(rows, meta)
+        self.input_ids[:rows].copy_(batch.input_ids)
+        self.positions[:rows].copy_(batch.positions)
+        self.slot_mapping[:rows].copy_(meta.slot_mapping)
+        self.seq_lens[:seqs].copy_(meta.seq_lens)
         # Columns past the batch's width keep stale ids: no sequence reads past its length.
-        self.block_table[:bucket, :meta.block_table.shape[1]].copy_(meta.block_table)
+        self.block_table[:seqs, :meta.block_table.shape[1]].copy_(meta.block_table)
         return view
 
-    def _view(self, bucket: int, meta: AttentionMetadata) -> DecodeInputs:
+    def _view(self, rows: int, meta: AttentionMetadata) -> DecodeInputs:
+        seqs, q = meta.num_seqs, meta.max_query_len
         views = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], block_table=self.block_table[:bucket],
-            query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
-            max_query_len=1, max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
-        return DecodeInputs(self.input_ids[:bucket], self.positions[:bucket], views)
+            slot_mapping=self.slot_mapping[:rows], block_table=self.block_table[:seqs],
+            query_start_loc=self.query_start_locs[q][:seqs + 1], seq_lens=self.seq_lens[:seqs],
+            max_query_len=q, max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
+        return DecodeInputs(self.input_ids[:rows], self.positions[:rows], views)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every persistent buffer (what FULL graphs read in place)."""
         return [self.input_ids, self.positions, self.slot_mapping, self.block_table, self.seq_lens,
-                self.query_start_loc]
+                *self.query_start_locs.values()]
 
     @property
     def nbytes(self) -> int:
@@ -119,45 +136,50 @@ class DecodeBuffers:
 
     def _check(self, batch: FlatBatch) -> None:
         meta, n = batch.attn_metadata, batch.num_tokens
-        if not (n == meta.num_seqs and meta.max_query_len == 1):
+        q = meta.max_query_len
+        if q not in self.query_start_locs or n != meta.num_seqs * q:
             raise ValueError(f"not a FULL batch: {n} tokens in {meta.num_seqs} sequences, "
-                             f"max_query_len {meta.max_query_len}")
-        if n > self.max_seqs:
-            raise ValueError(f"{n} sequences exceed the largest FULL bucket {self.max_seqs}")
+                             f"max_query_len {q}")
+        if n > self.max_rows or meta.num_seqs > self.query_start_locs[q].shape[0] - 1:
+            raise ValueError(f"{meta.num_seqs} sequences of {q} rows exceed the largest FULL bucket")
         if meta.block_table.shape[1] > self.block_table.shape[1]:
             raise ValueError(f"block table of width {meta.block_table.shape[1]} exceeds the "
                              f"persistent buffer's {self.block_table.shape[1]} (max_model_len / block_size)")
 
 
 class FullGraphs:
-    """One graph of the whole forward per FULL bucket, writing one persistent output."""
+    """One graph of the whole forward per FULL bucket, writing one persistent output. A bucket
+    is keyed by its rows and rows per sequence: (B, 1) for decode, (S * (k + 1), k + 1) for
+    verify."""
 
-    def __init__(self, pool: Any, max_seqs: int) -> None:
-        self.pool, self.max_seqs = pool, max_seqs
-        self.graphs: dict[int, Any] = {}
-        self.hidden: Optional[torch.Tensor] = None  # [max bucket, hidden], written by every graph
+    def __init__(self, pool: Any, max_rows: int) -> None:
+        self.pool, self.max_rows = pool, max_rows
+        self.graphs: dict[tuple[int, int], Any] = {}
+        self.hidden: Optional[torch.Tensor] = None  # [max rows, hidden], written by every graph
 
-    def capture(self, bucket: int, run: Callable[[], torch.Tensor], persistent: Sequence[torch.Tensor]) -> None:
+    def capture(self, key: tuple[int, int], run: Callable[[], torch.Tensor],
+                persistent: Sequence[torch.Tensor]) -> None:
         """``run`` is the forward over the bucket's buffers, in its forward context;
         ``persistent`` what it may read in place (input buffers, weights, KV caches)."""
         warm = run()  # compiles Triton kernels; sizes the output buffer
         if self.hidden is None:
-            self.hidden = warm.new_empty((self.max_seqs, *warm.shape[1:]))
+            self.hidden = warm.new_empty((self.max_rows, *warm.shape[1:]))
         del warm
-        hidden = self.hidden
+        hidden, rows = self.hidden, key[0]
         graph = piecewise_graphs.new_graph()
         region = CaptureRegion(hidden.device, [*persistent, hidden])
-        piecewise_graphs.record(graph, self.pool, lambda: hidden[:bucket].copy_(run()), region)
-        self.graphs[bucket] = graph
+        piecewise_graphs.record(graph, self.pool, lambda: hidden[:rows].copy_(run()), region)
+        self.graphs[key] = graph
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        self.graphs[bucket].replay()
-        return self.hidden[:bucket]
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:
+        self.graphs[key].replay()
+        return self.hidden[:key[0]]
 
 
 @dataclass
 class CaptureReport:
-    full_graphs: int = 0
+    full_graphs: int = 0  # decode and verify buckets
+    verify_graphs: int = 0  # of which verify (speculative decoding)
     piecewise_graphs: int = 0
     piecewise_buckets: int = 0
     seconds: float = 0.0
@@ -165,7 +187,8 @@ class CaptureReport:
     estimated_bytes: int = 0  # what the KV sizing reserved for it
 
     def summary(self) -> str:
-        return (f"captured CUDA graphs: {self.full_graphs} FULL (decode buckets), "
+        verify = f", {self.verify_graphs} of them verify" if self.verify_graphs else ""
+        return (f"captured CUDA graphs: {self.full_graphs} FULL (decode buckets{verify}), "
                 f"{self.piecewise_graphs} PIECEWISE ({self.piecewise_buckets} token buckets x pieces) "
                 f"in {self.seconds:.2f} s; graph memory {self.memory_bytes / 2**30:.3f} GiB "
                 f"(reserved {self.estimated_bytes / 2**30:.3f} GiB)")
@@ -188,9 +211,11 @@ class ForwardRunner:
         self.buckets = buckets if mode is not CudaGraphMode.NONE else Buckets((), ())
         self.min_forward_rows = min_forward_rows
         self.decode_buffers: Optional[DecodeBuffers] = None
-        if mode.has_full and self.buckets.full:
+        b = self.buckets
+        if mode.has_full and (b.full or b.verify):
             max_blocks = -(-builder.max_model_len // builder.block_size)
-            self.decode_buffers = DecodeBuffers(self.buckets.full[-1], max_blocks, builder.device, builder.stage_input)
+            self.decode_buffers = DecodeBuffers(max(b.full, default=0), max_blocks, builder.device,
+                                                builder.stage_input, b.verify_query_len, max(b.verify, default=0))
         self.full_graphs: Optional[FullGraphs] = None
         self.piecewise_graphs: Optional[PiecewiseGraphs] = None
         self.dispatch_counts: Counter[tuple[Path, int]] = Counter()  # (path, padded size) -> batches
@@ -210,16 +235,17 @@ class ForwardRunner:
         persistent buffer: consume it before the next forward."""
         self.dispatch_counts[(decision.path, decision.bucket)] += 1
         if decision.path is Path.FULL:
-            hidden = self._run_full(batch, decision.bucket)
+            hidden = self._run_full(batch, decision)
         else:
             replay = decision.path is Path.PIECEWISE and self.piecewise_graphs is not None
             hidden = self._forward(batch, Phase.REPLAY if replay else None)
         return hidden[:batch.num_scheduled]
 
-    def _run_full(self, batch: FlatBatch, bucket: int) -> torch.Tensor:
+    def _run_full(self, batch: FlatBatch, decision: Decision) -> torch.Tensor:
         inputs = self.decode_buffers.fill(batch)
-        if self.full_graphs is not None and bucket in self.full_graphs.graphs:
-            return self.full_graphs.replay(bucket)
+        key = (decision.bucket, decision.query_len)
+        if self.full_graphs is not None and key in self.full_graphs.graphs:
+            return self.full_graphs.replay(key)
         return self._forward_inputs(inputs.input_ids, inputs.positions, inputs.attn_metadata, None)
 
     def _forward(self, batch: FlatBatch, phase: Optional[Phase]) -> torch.Tensor:
@@ -241,20 +267,20 @@ class ForwardRunner:
 
     @torch.inference_mode()
     def capture(self, pool: Any, dummies: DummySource) -> CaptureReport:
-        """Captures a FULL graph per decode bucket, then every piece's graph per token bucket,
-        largest first, with a progress bar; measures the device memory it took."""
+        """Captures a FULL graph per decode and verify bucket, then every piece's graph per
+        token bucket, largest first, with a progress bar; measures the device memory it took."""
         device = self.builder.device
-        full_jobs = sorted(self.buckets.full, reverse=True) if self.decode_buffers is not None else []
+        full_jobs = self._full_jobs() if self.decode_buffers is not None else []
         piece_jobs = sorted(self.buckets.piecewise, reverse=True) if self.mode.has_piecewise else []
-        self.full_graphs = FullGraphs(pool, self.decode_buffers.max_seqs) if full_jobs else None
+        self.full_graphs = FullGraphs(pool, self.decode_buffers.max_rows) if full_jobs else None
         self.piecewise_graphs = PiecewiseGraphs(pool) if piece_jobs else None
         start = time.perf_counter()
         with _quick_captures(device):
             free_before = _free_bytes(device)
             with tqdm(total=len(full_jobs) + len(piece_jobs), desc="capturing CUDA graphs",
                       unit="bucket", leave=False) as bar:
-                for bucket in full_jobs:
-                    self._capture_full(bucket)
+                for key in full_jobs:
+                    self._capture_full(*key)
                     bar.update(1)
                 for num_tokens in piece_jobs:
                     self._capture_pieces(num_tokens, dummies)
@@ -262,15 +288,22 @@ class ForwardRunner:
             used = max(0, free_before - _free_bytes(device))
         if self.decode_buffers is not None and device.type == "cuda":
             used += self.decode_buffers.nbytes  # allocated before the baseline; estimated with the rest
-        return CaptureReport(full_graphs=len(full_jobs), piecewise_buckets=len(piece_jobs),
+        return CaptureReport(full_graphs=len(full_jobs), verify_graphs=sum(q > 1 for _, q in full_jobs),
+                             piecewise_buckets=len(piece_jobs),
                              piecewise_graphs=self.piecewise_graphs.num_graphs if self.piecewise_graphs else 0,
                              seconds=time.perf_counter() - start, memory_bytes=used)
 
-    def _capture_full(self, bucket: int) -> None:
+    def _full_jobs(self) -> list[tuple[int, int]]:
+        """(rows, rows per sequence) of every FULL graph, largest first."""
+        q = self.buckets.verify_query_len
+        jobs = [(b, 1) for b in self.buckets.full] + [(s * q, q) for s in self.buckets.verify]
+        return sorted(jobs, reverse=True)
+
+    def _capture_full(self, rows: int, query_len: int) -> None:
         """Over an all-padding batch of the bucket: the warm-up and capture write no KV."""
-        batch = self.builder.build(RunnerStep(), Decision(Path.FULL, bucket, 0))
+        batch = self.builder.build(RunnerStep(), Decision(Path.FULL, rows, 0, query_len))
         inputs = self.decode_buffers.fill(batch)
-        self.full_graphs.capture(bucket, lambda: self._forward_inputs(
+        self.full_graphs.capture((rows, query_len), lambda: self._forward_inputs(
             inputs.input_ids, inputs.positions, inputs.attn_metadata, None), self._persistent())
 
     def _persistent(self) -> list[torch.Tensor]:
@@ -318,7 +351,7 @@ def estimate_capture_bytes(activation_bytes_per_token: float, model: torch.nn.Mo
     fixed size each. Only the buffers are checked without a GPU (against the emulated
     capture, tests/compiler/test_cudagraph_emulated.py); the pool and the per-graph sizes
     are what a GPU run calibrates."""
-    full = list(buckets.full) if mode.has_full else []
+    full = _full_rows(buckets) if mode.has_full else []
     pieces_sizes = list(buckets.piecewise) if mode.has_piecewise else []
     if not full and not pieces_sizes:
         return 0
@@ -338,9 +371,10 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
       token; the last piece's output (hidden); the rotary cos and sin the first piece hands
       on (head_dim); the staged input ids and positions (two int64; a later pipeline stage's
       input is 2 x hidden activations instead of an id);
-    - FULL: the persistent decode inputs and the hidden-state output.
+    - FULL: the persistent decode inputs and the hidden-state output, per row of the largest
+      decode or verify bucket.
     """
-    full = list(buckets.full) if mode.has_full else []
+    full = _full_rows(buckets) if mode.has_full else []
     pieces_sizes = list(buckets.piecewise) if mode.has_piecewise else []
     elt = torch.empty((), dtype=model.dtype).element_size()
     q_width, kv_width = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
@@ -353,3 +387,8 @@ def capture_buffer_bytes(model: torch.nn.Module, buckets: Buckets, mode: CudaGra
     per_seq = model.hidden_size * elt + inputs + 2 * 8 + 2 * 4 + 4 * -(-max_model_len // block_size)
     full_buffers = per_seq * max(full, default=0)
     return int(piece_buffers + full_buffers)
+
+
+def _full_rows(buckets: Buckets) -> list[int]:
+    """Rows of every FULL graph: decode buckets, then verify buckets (k + 1 rows a sequence)."""
+    return list(buckets.full) + [s * buckets.verify_query_len for s in buckets.verify]

@@ -5,6 +5,11 @@ Three paths, as in vLLM:
 - FULL: a pure-decode batch (every sequence one new token) of n rows runs in the smallest
   FULL bucket B >= n, padded with B - n empty sequences. On CUDA that replays one captured
   graph of the whole forward, attention included.
+  With speculative decoding (k guesses), a batch whose every sequence is a decode followed by
+  its guesses (at most k; some may have none) is a verify batch: it runs in the smallest
+  verify bucket of S >= n sequences, every sequence padded to k + 1 rows (guesses it lacks
+  become rows that write no KV and are never sampled), S * (k + 1) rows in all, one graph
+  per bucket as for decode (``Decision.query_len`` = k + 1).
 - PIECEWISE: any other batch of T tokens runs in the smallest token bucket >= T, padded
   with T' - T rows that belong to no sequence. On CUDA every compiled piece replays its graph
   for T' and attention runs eagerly between the pieces.
@@ -51,10 +56,15 @@ def default_capture_sizes(max_capture_size: int) -> list[int]:
 @dataclass(frozen=True)
 class Buckets:
     """Sorted bucket sizes: ``full`` in sequences (= tokens) of a decode batch, ``piecewise``
-    in tokens of any batch."""
+    in tokens of any batch, ``verify`` in sequences of a verify batch of ``verify_query_len``
+    rows each (none without speculation). ``verify_max_start``: the last position a verify
+    batch's sequence may start at, so that its padded rows stay inside the context."""
 
     full: tuple[int, ...]
     piecewise: tuple[int, ...]
+    verify: tuple[int, ...] = ()
+    verify_query_len: int = 0
+    verify_max_start: int = 0
 
     @staticmethod
     def smallest_at_least(sizes: Sequence[int], n: int) -> Optional[int]:
@@ -63,17 +73,40 @@ class Buckets:
 
 
 def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                  min_forward_rows: int = 1) -> Buckets:
+                  min_forward_rows: int = 1, verify: Optional["VerifyShape"] = None) -> Buckets:
     """The buckets for an engine: the configured (or default) sizes, raised to the forward's
-    ``min_forward_rows`` and capped by what the scheduler can produce."""
+    ``min_forward_rows`` and capped by what the scheduler can produce. ``verify``: the
+    speculative verify batches' shape (None: no speculation)."""
     wanted = config.cudagraph_capture_sizes
     if wanted is None:
         wanted = default_capture_sizes(config.max_capture_size)
     sizes = sorted({max(s, min_forward_rows) for s in wanted if s <= max_num_batched_tokens})
     # Decode batches hold at most max_num_seqs rows: keep the first bucket that fits them all.
-    first_full = Buckets.smallest_at_least(sizes, max_num_seqs)
-    full = [s for s in sizes if first_full is None or s <= first_full]
-    return Buckets(full=tuple(full), piecewise=tuple(sizes))
+    full = _up_to_first_holding(sizes, max_num_seqs)
+    if verify is None:
+        return Buckets(full=tuple(full), piecewise=tuple(sizes))
+    q = verify.query_len
+    # Guesses stop above max_seqs sequences; a padded batch stays within the token budget. Not
+    # raised to min_forward_rows: one sequence is already k + 1 >= 2 rows.
+    seqs = _up_to_first_holding(sorted({s for s in wanted if s * q <= max_num_batched_tokens}), verify.max_seqs)
+    return Buckets(full=tuple(full), piecewise=tuple(sizes), verify=tuple(seqs), verify_query_len=q,
+                   verify_max_start=verify.max_model_len - q)
+
+
+def _up_to_first_holding(sizes: Sequence[int], n: int) -> list[int]:
+    """``sizes`` up to the first that holds ``n`` (all of them if none does)."""
+    first = Buckets.smallest_at_least(sizes, n)
+    return [s for s in sizes if first is None or s <= first]
+
+
+@dataclass(frozen=True)
+class VerifyShape:
+    """What the verify buckets depend on: k + 1 rows per sequence, the most sequences that
+    speculate in one step, and the context length the padded rows must stay inside."""
+
+    query_len: int
+    max_seqs: int
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -83,35 +116,56 @@ class BatchShape:
     num_tokens: int
     num_seqs: int
     uniform_decode: bool  # every sequence has exactly one new token
+    # Every sequence is one decode token and its speculative guesses (none, for some), and
+    # its first row's position is at most ``max_start``; False and 0 when there are no guesses.
+    verify: bool = False
+    max_start: int = 0
 
     @classmethod
     def of_step(cls, step: "RunnerStep") -> "BatchShape":
         """From a step's chunks, before any tensor is built: the one place a batch is judged
-        pure decode."""
+        pure decode, or a verify batch."""
         lens = [c.num_new_tokens for c in step.chunks]
-        return cls(sum(lens), len(lens), bool(lens) and all(n == 1 for n in lens))
+        uniform = bool(lens) and all(n == 1 for n in lens)
+        verify = not uniform and bool(lens) and all(c.num_new_tokens == 1 + len(c.draft_token_ids)
+                                                    for c in step.chunks)
+        max_start = max(c.start_position for c in step.chunks) if verify else 0
+        return cls(sum(lens), len(lens), uniform, verify, max_start)
 
 
 @dataclass(frozen=True)
 class Decision:
     path: Path
-    bucket: int  # padded size: sequences (= tokens) for FULL, tokens otherwise
+    bucket: int  # padded size in rows (a FULL decode batch: one row per sequence)
     num_tokens: int  # before padding
+    query_len: int = 1  # rows per sequence of a FULL batch: k + 1 when it verifies guesses
 
     @property
     def padding(self) -> int:
         return self.bucket - self.num_tokens
 
+    @property
+    def rows_per_chunk(self) -> int:
+        """Rows each sequence takes in the batch when they are fixed (a FULL verify batch),
+        else 0: each chunk takes its own length."""
+        return self.query_len if self.path is Path.FULL and self.query_len > 1 else 0
+
 
 def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_forward_rows: int = 1) -> Decision:
-    """FULL for a pure-decode batch that fits a decode bucket, else PIECEWISE when the token
-    count fits a token bucket, else NONE at the batch's own size (at least ``min_forward_rows``
-    rows: the compiled forward's smallest shape)."""
+    """FULL for a pure-decode batch that fits a decode bucket, or a verify batch that fits a
+    verify bucket, else PIECEWISE when the token count fits a token bucket, else NONE at the
+    batch's own size (at least ``min_forward_rows`` rows: the compiled forward's smallest
+    shape)."""
     n = shape.num_tokens
     if n > 0 and shape.uniform_decode and mode.has_full:
         bucket = Buckets.smallest_at_least(buckets.full, n)
         if bucket is not None:
             return Decision(Path.FULL, bucket, n)
+    if n > 0 and shape.verify and mode.has_full and shape.max_start <= buckets.verify_max_start:
+        seqs = Buckets.smallest_at_least(buckets.verify, shape.num_seqs)
+        if seqs is not None:
+            q = buckets.verify_query_len
+            return Decision(Path.FULL, seqs * q, n, q)
     if n > 0 and mode.has_piecewise:
         bucket = Buckets.smallest_at_least(buckets.piecewise, n)
         if bucket is not None:

@@ -134,9 +134,11 @@ class PendingInputs:
         input_ids[self.rows] = torch.cat([ids[index] for ids, index in self.sources])
 
 
-def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: torch.device) -> Optional[PendingInputs]:
+def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: torch.device,
+                   rows_per_chunk: int = 0) -> Optional[PendingInputs]:
     """The rows of ``step`` whose input is a pending token of an unfinished launched step, or
-    None (the serial loop: every token is known when a step is built)."""
+    None (the serial loop: every token is known when a step is built). ``rows_per_chunk``: the
+    batch's fixed rows per chunk (a FULL verify batch, ``Decision.rows_per_chunk``), else 0."""
     unfinished = [earlier for earlier in launched if not earlier.finished and earlier.token_ids is not None]
     if not unfinished:
         return None  # nothing is pending: no walk over the step's rows
@@ -150,7 +152,7 @@ def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: t
                 raise RuntimeError(f"request {chunk.request.request_id}: its pending token (position {position}) "
                                    f"is outside its chunk ({chunk.start_position}+{chunk.num_new_tokens})")
             wanted[chunk.request.request_id] = offset + position - chunk.start_position
-        offset += chunk.num_new_tokens
+        offset += rows_per_chunk or chunk.num_new_tokens
     if not wanted:
         return None
     rows, sources = [], []

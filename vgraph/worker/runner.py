@@ -37,7 +37,7 @@ from ..structured.bitmask import GrammarMasks
 from ..models.loader import load_model
 from .batch import BatchBuilder, StageInput
 from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
-from .dispatch import Buckets, capture_sizes
+from .dispatch import Buckets, VerifyShape, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
 from .kv_sizing import (KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scales, num_blocks_for,
                         usable_max_model_len)
@@ -103,7 +103,7 @@ class ModelRunner:
                                     stage_input, self.stage.is_last)
         min_forward_rows = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
-                                config.scheduler.max_num_batched_tokens, min_forward_rows)
+                                config.scheduler.max_num_batched_tokens, min_forward_rows, _verify_shape(config))
         profile = self._profile_memory()
         reserve = self._graph_reserve(profile, buckets)
         self.num_blocks = self._plan_blocks(profile, reserve)
@@ -310,7 +310,8 @@ class ModelRunner:
         if record and not self.stage.is_first:
             self.link.receive_into(batch.input_ids[:batch.num_scheduled])
         # Only token ids can be pending (a first stage's); a later stage's inputs came in whole.
-        feed = pending_inputs(step, self.launched, self.device) if record and self.stage.is_first else None
+        feed = (pending_inputs(step, self.launched, self.device, decision.rows_per_chunk)
+                if record and self.stage.is_first else None)
         if feed is not None:
             feed.apply(batch.input_ids)
         if self.lora is not None:
@@ -334,6 +335,17 @@ class ModelRunner:
         out = self.sampler(logits, meta, drafts)
         return LaunchedStep(step, batch.sampled_requests, out.token_ids, out.logprobs, prompt_logprobs, pooled,
                             record)
+
+
+def _verify_shape(config: EngineConfig) -> Optional[VerifyShape]:
+    """The verify batches speculative decoding makes: k + 1 rows a sequence, at most
+    ``disable_by_batch_size`` (else ``max_num_seqs``) sequences."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    max_seqs = spec.disable_by_batch_size or config.scheduler.max_num_seqs
+    return VerifyShape(spec.num_speculative_tokens + 1, min(max_seqs, config.scheduler.max_num_seqs),
+                       config.max_model_len)
 
 
 def _draft_rows(step: RunnerStep, device: torch.device) -> Optional[torch.Tensor]:
