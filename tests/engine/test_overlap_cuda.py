@@ -77,3 +77,19 @@ def test_speculation_equals_plain_greedy_on_cuda(overlap):
         got = [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)]
         assert got == want
     assert spec.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_draft_model_on_cuda_shares_the_device_and_equals_plain_greedy():
+    """The target sizes its cache from a memory profile, leaving the draft's share free; the
+    draft (here the target itself: every guess kept) then builds its own runner and graphs."""
+    path = tiny_checkpoint(arch="llama")
+    kwargs = dict(dtype="float32", device="cuda", seed=0, gpu_memory_utilization=0.4, max_model_len=256,
+                  max_num_seqs=8)
+    prompts = ["a b c d a b c d a b c d a b", "one two three one two three one two"]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, **kwargs).generate(prompts, params, use_tqdm=False)]
+    spec = LLM(path, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3},
+               **kwargs)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    stats = spec.engine.stats()
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0, "its own draft: every guess kept"

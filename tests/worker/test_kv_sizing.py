@@ -12,7 +12,8 @@ from vgraph.config import CacheConfig
 from vgraph.worker import runner as runner_module
 from vgraph.worker.dummy import dummy_lengths, dummy_prefill
 from vgraph.worker.huge_pages import HUGE_PAGE_BYTES, zeros_on_huge_pages
-from vgraph.worker.kv_sizing import KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_budget, num_blocks_for
+from vgraph.worker.kv_sizing import (Companion, KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_budget,
+                                    num_blocks_for)
 from vgraph.worker.sampler import SamplingMetadata
 
 GIB = 1 << 30
@@ -93,6 +94,34 @@ def test_cuda_without_room_is_a_clear_error():
     cache = CacheConfig(gpu_memory_utilization=0.3)
     with pytest.raises(RuntimeError, match="no memory left for the KV cache.*non-torch 3.00 GiB"):
         num_blocks_for(SPEC, cache, CUDA, _profile())
+
+
+def test_a_draft_models_share_is_left_free_and_grows_with_the_pool():
+    """The draft loads after the target sized its cache, on the same GPU: its weights and
+    working memory come off the budget, and each target block costs the draft's block too."""
+    cache = CacheConfig(gpu_memory_utilization=UTIL)
+    draft = Companion(fixed_bytes=3 * GIB, bytes_per_block=SPEC.bytes_per_block // 4)
+    blocks = num_blocks_for(SPEC, cache, CUDA, _profile(), graph_reserve=GIB, companion=draft)
+    budget = kv_cache_budget(TOTAL, FREE, RESERVED, PEAK, PEAK_RESERVED, UTIL, GIB)
+    assert blocks == (budget - 3 * GIB) // (SPEC.bytes_per_block + draft.bytes_per_block)
+    assert blocks * (SPEC.bytes_per_block + draft.bytes_per_block) + 3 * GIB <= budget
+
+
+def test_the_draft_models_share_is_read_from_its_checkpoint():
+    from tests.checkpoints import tiny_checkpoint
+    from vgraph.spec.config import SpeculativeConfig
+    from vgraph.spec.draft_model import DRAFT_WORKING_BYTES, draft_memory
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tiny_checkpoint(arch="llama")
+    hf = AutoConfig.from_pretrained(path)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).state_dict().values())
+    target = SimpleNamespace(cache=SimpleNamespace(block_size=16), scheduler=SimpleNamespace(max_num_seqs=4),
+                             max_model_len=64)
+    fixed, per_block = draft_memory(SpeculativeConfig(method="draft_model", model=path), target, 2)
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert per_block == 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 16 * 2
+    assert fixed == params * 2 + DRAFT_WORKING_BYTES + (2 * 4 + 4) * per_block
 
 
 def test_given_block_count_wins():

@@ -159,6 +159,48 @@ class DraftModelProposer(Proposer):
             guesses.setdefault(request_id, []).append(token_id)
 
 
+# The draft's forwards' activations and its CUDA graphs, kept free for it when the target sizes
+# its KV cache on a GPU: an allowance (a draft is small; its largest forward is the step budget).
+DRAFT_WORKING_BYTES = 512 << 20
+
+
+def draft_memory(config: SpeculativeConfig, target: EngineConfig, elt: int) -> tuple[int, int]:
+    """What the draft will hold on the target's device, for the target's KV sizing (the draft
+    loads after it): bytes up front (weights in the target's dtype of ``elt`` bytes, working
+    memory, the blocks its pool holds beyond the target's) and its KV bytes per block of the
+    target's block size (its pool grows with the target's: ``_draft_engine_config``)."""
+    from ..models.demo import demo_model_path
+    from ..models.loader import load_hf_config, resolve_model_path
+
+    path = demo_model_path(config.model) or resolve_model_path(config.model)
+    hf = load_hf_config(path)
+    heads = int(hf.num_attention_heads)
+    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // heads)
+    block_size = target.cache.block_size
+    per_block = 2 * int(hf.num_hidden_layers) * kv_heads * head_dim * block_size * elt
+    seats = target.scheduler.max_num_seqs
+    spare_blocks = 2 * seats + -(-target.max_model_len // block_size)
+    return _checkpoint_numel(path) * elt + DRAFT_WORKING_BYTES + spare_blocks * per_block, per_block
+
+
+def _checkpoint_numel(path: str) -> int:
+    """Parameters in the checkpoint's weight files, read from their headers."""
+    from safetensors import safe_open
+
+    from ..models.loader import safetensors_files
+
+    total = 0
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                numel = 1
+                for dim in f.get_slice(name).get_shape():
+                    numel *= dim
+                total += numel
+    return total
+
+
 def build_draft_proposer(config: SpeculativeConfig, target: EngineConfig, tokenizer: Any, vocab_size: int,
                          target_blocks: int) -> DraftModelProposer:
     """Starts the draft's runner from the target's resolved config and checks that it shares

@@ -87,12 +87,23 @@ def kv_cache_budget(total: int, free: int, torch_reserved: int, torch_peak_alloc
     return int(total * utilization) - used
 
 
+@dataclass(frozen=True)
+class Companion:
+    """Another model that will share the device with this one (a speculative draft model,
+    loaded after this runner sizes its cache): memory it takes up front (weights, working
+    memory, its spare blocks) and the bytes of its own KV per block of this cache (its pool
+    grows with this one's)."""
+
+    fixed_bytes: int
+    bytes_per_block: int
+
+
 def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
                    profile: MemoryProfile | None = None, graph_reserve: int = 0,
-                   max_useful_blocks: int | None = None) -> int:
+                   max_useful_blocks: int | None = None, companion: Companion | None = None) -> int:
     """Blocks for the pool: ``cache.num_gpu_blocks`` when given; else on CUDA what the memory
-    ``profile`` leaves (``graph_reserve`` kept free for CUDA graphs), on CPU
-    ``cpu_kv_cache_gib`` worth.
+    ``profile`` leaves (``graph_reserve`` kept free for CUDA graphs, and a ``companion``'s
+    share), on CPU ``cpu_kv_cache_gib`` worth.
 
     Either is capped at ``max_useful_blocks`` (every seat filled to max_model_len): more
     cannot be used at once, and a large device with a small model would otherwise build a
@@ -103,22 +114,29 @@ def num_blocks_for(spec: KVSpec, cache: CacheConfig, device: torch.device,
     if device.type == "cuda":
         if profile is None:
             raise ValueError("sizing the KV cache on CUDA needs a memory profile (or num_gpu_blocks)")
-        blocks = _blocks_from_profile(spec, cache, profile, graph_reserve)
+        blocks = _blocks_from_profile(spec, cache, profile, graph_reserve, companion)
     else:
         blocks = max(1, int(cache.cpu_kv_cache_gib * 2**30 // spec.bytes_per_block))
     return _capped(blocks, max_useful_blocks)
 
 
-def _blocks_from_profile(spec: KVSpec, cache: CacheConfig, p: MemoryProfile, graph_reserve: int) -> int:
+def _blocks_from_profile(spec: KVSpec, cache: CacheConfig, p: MemoryProfile, graph_reserve: int,
+                         companion: Companion | None = None) -> int:
     util = cache.gpu_memory_utilization
+    fixed = companion.fixed_bytes if companion else 0
     budget = kv_cache_budget(p.total_bytes, p.free_bytes, p.reserved_bytes, p.peak_bytes,
-                             p.peak_reserved_bytes, util, graph_reserve)
+                             p.peak_reserved_bytes, util, graph_reserve + fixed)
     gib = 2**30
     breakdown = (f"{p.total_bytes * util / gib:.2f} GiB allowed by gpu_memory_utilization={util}; "
                  f"torch peak {p.peak_bytes / gib:.2f} GiB (+{(p.peak_reserved_bytes - p.peak_bytes) / gib:.2f} "
                  f"fragmentation), non-torch {max(0, p.total_bytes - p.free_bytes - p.reserved_bytes) / gib:.2f} "
                  f"GiB, CUDA graphs {graph_reserve / gib:.2f} GiB")
-    blocks = int(max(0, budget) // spec.bytes_per_block)
+    per_block = spec.bytes_per_block
+    if companion:
+        breakdown += (f", the draft model {fixed / gib:.2f} GiB and {companion.bytes_per_block} bytes of its KV "
+                      f"per block")
+        per_block += companion.bytes_per_block
+    blocks = int(max(0, budget) // per_block)
     if blocks <= 0:
         raise RuntimeError(f"no memory left for the KV cache: {breakdown}; raise "
                            "--gpu-memory-utilization or lower --max-num-batched-tokens")

@@ -39,7 +39,7 @@ from .batch import BatchBuilder, StageInput
 from .cuda_graphs import CaptureReport, ForwardRunner, estimate_capture_bytes
 from .dispatch import Buckets, VerifyShape, capture_sizes
 from .dummy import DummySource, blocks_for, dummy_decode, dummy_lengths, dummy_prefill
-from .kv_sizing import (KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scales, num_blocks_for,
+from .kv_sizing import (Companion, KVSpec, MemoryProfile, allocate_kv_caches, kv_cache_scales, num_blocks_for,
                         usable_max_model_len)
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
@@ -106,7 +106,7 @@ class ModelRunner:
                                 config.scheduler.max_num_batched_tokens, min_forward_rows, _verify_shape(config))
         profile = self._profile_memory()
         reserve = self._graph_reserve(profile, buckets)
-        self.num_blocks = self._plan_blocks(profile, reserve)
+        self.num_blocks = self._plan_blocks(profile, reserve, self._draft_share(profile))
         # What a sequence may really reach: max_model_len, or less when the KV cache is smaller.
         self.max_model_len = usable_max_model_len(config.max_model_len, self.num_blocks, self.spec.block_size,
                                                   self.device)
@@ -180,10 +180,23 @@ class ModelRunner:
             logger.info("reserving %.3f GiB for CUDA graphs before sizing the KV cache", reserve / 2**30)
         return reserve
 
-    def _plan_blocks(self, profile: Optional[MemoryProfile], reserve: int) -> int:
+    def _draft_share(self, profile: Optional[MemoryProfile]) -> Optional[Companion]:
+        """A speculative draft model's memory, when the cache is sized from a GPU profile: the
+        draft loads after this cache exists, on the same device (vgraph/spec/draft_model.py)."""
+        spec = self.config.speculative_config
+        if profile is None or spec is None or spec.method != "draft_model":
+            return None
+        from ..spec.draft_model import draft_memory
+        fixed, per_block = draft_memory(spec, self.config, self.model.dtype.itemsize)
+        logger.info("leaving %.3f GiB and %d bytes per KV block for the draft model %s", fixed / 2**30, per_block,
+                    spec.model)
+        return Companion(fixed, per_block)
+
+    def _plan_blocks(self, profile: Optional[MemoryProfile], reserve: int,
+                     companion: Optional[Companion] = None) -> int:
         max_model_len = self.config.max_model_len
         useful = self.config.scheduler.max_num_seqs * -(-max_model_len // self.spec.block_size)
-        blocks = num_blocks_for(self.spec, self.config.cache, self.device, profile, reserve, useful)
+        blocks = num_blocks_for(self.spec, self.config.cache, self.device, profile, reserve, useful, companion)
         tokens = blocks * self.spec.block_size
         logger.info("KV cache (%s): %d blocks of %d tokens = %d tokens (%.2f GiB); max concurrency at "
                     "max_model_len %d: %.2fx", self.spec.dtype_name, blocks, self.spec.block_size, tokens,
