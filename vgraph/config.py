@@ -187,6 +187,11 @@ class CacheConfig:
         aliases=["--num-gpu-blocks-override"]))
     cpu_kv_cache_gib: float = field(default=1.0, metadata=cli(
         "CPU only: KV cache size in GiB (on CUDA, --gpu-memory-utilization sizes it)", flag="--kv-cache-gib"))
+    # None: off, except under ``vgraph serve`` on CPU (engine/launch.py turns it on there).
+    kv_cache_prefault: Optional[bool] = field(default=None, metadata=cli(
+        "CPU only: map all of the KV cache's memory at startup, in a background thread, so that no step "
+        "waits for the first touch of its pages (a fresh 2 MiB page cost ~5 ms in a VM, ~100 ms for a step "
+        "that reaches new blocks in every layer); default: on for vgraph serve, off otherwise"))
     # "fp8_e4m3" is made "fp8" when the config is built, so both spellings give equal configs.
     kv_cache_dtype: str = field(default="auto", metadata=cli(
         "the KV cache's dtype: auto (the model's) or fp8 (= fp8_e4m3: e4m3 with one scale for K and one "
@@ -249,6 +254,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = field(default=True, metadata=cli(
         "split long prompts over several steps", negative="--no-chunked-prefill",
         aliases=["--no-enable-chunked-prefill"], positive="--enable-chunked-prefill"))
+    long_prefill_token_threshold: int = field(default=0, metadata=cli(
+        "with chunked prefill, no prompt chunk of more than this many tokens in one step, however much "
+        "of the budget is left (0: no cap); steps that carry running streams' decodes then stay short"))
     # None: decided for the device (see ``resolved``).
     async_scheduling: Optional[bool] = field(default=None, metadata=cli(
         "overlapped scheduling: the engine schedules step N+1 and builds its inputs while step N runs, "
@@ -260,6 +268,9 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be 0 (off) or positive, got "
+                             f"{self.long_prefill_token_threshold}")
 
     def resolved(self, device_type: str, max_model_len: int, world_size: int = 1) -> "SchedulerConfig":
         """The token budget decided for the device; without chunked prefill it must also

@@ -519,3 +519,24 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add_request(make_request("d", range(3)))
     assert scheduler.num_waiting == 1
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_chunk():
+    """vLLM's ``long_prefill_token_threshold``: no prompt chunk above it in one step, however much
+    budget is left; decodes are untouched, and without chunked prefill a prompt runs whole."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, long_prefill_token_threshold=10),
+                  CacheConfig(block_size=16), 32, max_model_len=128)
+    s.add_request(make_request("a", list(range(1, 26)), max_tokens=4))
+    s.add_request(make_request("b", list(range(1, 6)), max_tokens=4))
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10), ("b", 5)]
+    s.update(out, ModelRunnerOutput({"b": 7}))
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10), ("b", 1)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    whole = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=False,
+                                      long_prefill_token_threshold=10), CacheConfig(block_size=16), 32,
+                      max_model_len=128)
+    whole.add_request(make_request("a", list(range(1, 26)), max_tokens=4))
+    assert [x.num_new_tokens for x in whole.schedule().scheduled] == [25]

@@ -92,9 +92,18 @@ def test_the_serving_budget_holds_every_seat_and_respects_the_user():
     assert with_serving_defaults(_topology(max_num_seqs=300)).engine_kwargs["max_num_batched_tokens"] == 300
     assert with_serving_defaults(_topology(max_num_batched_tokens=777)).engine_kwargs["max_num_batched_tokens"] == 777
     whole_prompts = _topology(enable_chunked_prefill=False)
-    assert with_serving_defaults(whole_prompts) is whole_prompts
+    assert with_serving_defaults(whole_prompts).engine_kwargs["max_num_batched_tokens"] is None
     gpu = _topology(device="cuda")
     assert with_serving_defaults(gpu) is gpu
+
+
+def test_serving_on_cpu_prefaults_the_kv_cache_unless_told_not_to():
+    """The pool hands out fresh blocks until it has used all of them once; a step reaching a
+    fresh 2 MiB page in every layer waited ~100 ms for its first touch (issue 33)."""
+    from vgraph.engine.launch import with_serving_defaults
+    assert with_serving_defaults(_topology()).engine_kwargs["kv_cache_prefault"] is True
+    assert with_serving_defaults(_topology(kv_cache_prefault=False)).engine_kwargs["kv_cache_prefault"] is False
+    assert "kv_cache_prefault" not in with_serving_defaults(_topology(device="cuda")).engine_kwargs
 
 
 def test_import_vgraph_chooses_an_openmp_policy_before_torch_loads():

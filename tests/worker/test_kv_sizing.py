@@ -253,3 +253,25 @@ def test_the_kernel_backs_a_cpu_pool_with_huge_pages():
     # At least one 2 MiB page (how many the kernel finds free depends on fragmentation).
     assert _anon_huge_kib() - before >= HUGE_PAGE_BYTES // 1024, "the pool got no huge page"
     del pool
+
+
+def _resident_kib() -> int:
+    import re
+    return int(re.search(r"^Rss:\s+(\d+)", Path("/proc/self/smaps_rollup").read_text(), re.M).group(1))
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="Linux only")
+def test_a_prefaulted_cpu_pool_is_mapped_in_the_background_and_stays_zero():
+    """``kv_cache_prefault``: every page of the pool is mapped by a background thread (no step
+    pays a first touch), and the pool's contents are untouched."""
+    import threading
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32)
+    blocks = 1024  # 16 MiB a layer's K or V: 64 MiB in all
+    before = _resident_kib()
+    caches = allocate_kv_caches(spec, blocks, torch.device("cpu"), prefault=True)
+    for thread in threading.enumerate():
+        if thread.name == "vgraph-kv-prefault":
+            thread.join(timeout=60)
+    pool_kib = blocks * spec.bytes_per_block // 1024
+    assert _resident_kib() - before >= 0.9 * pool_kib, "the pages are mapped before any step touched them"
+    assert all(not t.any() for pair in caches for t in pair)

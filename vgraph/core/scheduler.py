@@ -194,7 +194,7 @@ class Scheduler:
         guesses = self._proposals(budget, seats)
         while index < len(self.running) and budget > 0 and len(output.scheduled) < seats:
             request = self.running[index]
-            num_new = min(self._num_schedulable(request), budget)
+            num_new = self._capped(min(self._num_schedulable(request), budget))
             drafts = guesses.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
             num_new += len(drafts)
             if num_new > 0:
@@ -296,6 +296,7 @@ class Scheduler:
                 if not self._may_chunk(num_new):
                     break
                 num_new = budget
+            num_new = self._capped(num_new)
             if not self.kv_cache_manager.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -312,6 +313,15 @@ class Scheduler:
         lora_id = request.lora_id
         return (lora_id is None or self.max_loras is None or lora_id in adapters
                 or len(adapters) < self.max_loras)
+
+    def _capped(self, num_new: int) -> int:
+        """A prompt chunk cut to ``long_prefill_token_threshold`` (vLLM's option) with chunked
+        prefill on: a step that also carries running streams' decodes then costs a few decode
+        steps at most, not a long prefill's worth."""
+        cap = self.config.long_prefill_token_threshold
+        if cap and num_new > cap and self.config.enable_chunked_prefill:
+            return cap
+        return num_new
 
     def _may_chunk(self, num_new: int) -> bool:
         """Without chunked prefill a prompt runs whole; a preempted request whose prompt plus

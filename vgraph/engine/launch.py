@@ -87,19 +87,28 @@ def serving_engine(topology: ServingTopology) -> Any:
 
 
 def with_serving_defaults(topology: ServingTopology) -> ServingTopology:
-    """``topology`` with the step budget serving wants on CPU when the user gave none:
-    ``SERVE_CPU_STEP_TOKENS``, but never fewer than ``max_num_seqs`` (each running stream must
-    fit its decode row into every step, or the later ones wait while the earlier ones run). A
-    budget that must hold whole prompts (``--no-chunked-prefill``) is left to the engine."""
+    """``topology`` with what serving wants on CPU where the user chose nothing:
+
+    - the step budget ``SERVE_CPU_STEP_TOKENS``, but never fewer than ``max_num_seqs`` (each
+      running stream must fit its decode row into every step, or the later ones wait while the
+      earlier ones run). A budget that must hold whole prompts (``--no-chunked-prefill``) is
+      left to the engine;
+    - the KV cache prefaulted in the background (``kv_cache_prefault``): the pool hands out
+      fresh blocks until all of it has been used once, and a step that first touches a new
+      2 MiB page in every layer waited ~100 ms for it in a VM (ITL p99, issue 33)."""
     from dataclasses import replace
 
     from ..config import SchedulerConfig, resolve_device
     kwargs = topology.engine_kwargs
-    if (kwargs.get("max_num_batched_tokens") is not None or kwargs.get("enable_chunked_prefill") is False
-            or resolve_device(kwargs.get("device") or "auto") != "cpu"):
+    if resolve_device(kwargs.get("device") or "auto") != "cpu":
         return topology
-    seats = kwargs.get("max_num_seqs") or SchedulerConfig.max_num_seqs
-    return replace(topology, engine_kwargs={**kwargs, "max_num_batched_tokens": max(SERVE_CPU_STEP_TOKENS, seats)})
+    chosen: dict[str, Any] = {}
+    if kwargs.get("kv_cache_prefault") is None:
+        chosen["kv_cache_prefault"] = True
+    if kwargs.get("max_num_batched_tokens") is None and kwargs.get("enable_chunked_prefill") is not False:
+        seats = kwargs.get("max_num_seqs") or SchedulerConfig.max_num_seqs
+        chosen["max_num_batched_tokens"] = max(SERVE_CPU_STEP_TOKENS, seats)
+    return replace(topology, engine_kwargs={**kwargs, **chosen}) if chosen else topology
 
 
 def _client(topology: ServingTopology, device: str, threads: Optional[int], building: Any) -> "EngineClient":

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from ..config import CacheConfig
-from .huge_pages import zeros_on_huge_pages
+from .huge_pages import prefault_in_background, zeros_on_huge_pages
 
 logger = logging.getLogger("vgraph")
 
@@ -172,7 +172,8 @@ def usable_max_model_len(max_model_len: int, num_blocks: int, block_size: int, d
     return capacity
 
 
-def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device,
+                       prefault: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (K, V) pool, left unwritten on CUDA: zeroing a 64 GiB pool took 4.7 s of
     an H200's warm start, and nothing reads a slot before a step has written it.
 
@@ -190,11 +191,16 @@ def allocate_kv_caches(spec: KVSpec, num_blocks: int, device: torch.device) -> l
 
     On CPU the pool is on huge pages, which the decode attention streams faster
     (vgraph/worker/huge_pages.py); there it is zero anyway, and free: the kernel maps zeroed
-    pages when they are first touched."""
+    pages when they are first touched. ``prefault`` (CPU): map them all now, in the
+    background (``prefault_in_background``), so that no step pays for a first touch."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
     def pool() -> torch.Tensor:
         if device.type == "cpu":
             return zeros_on_huge_pages(shape, spec.dtype)
         return torch.empty(shape, dtype=spec.dtype, device=device)
-    return [(pool(), pool()) for _ in range(spec.num_layers)]
+    caches = [(pool(), pool()) for _ in range(spec.num_layers)]
+    if prefault and device.type == "cpu":
+        if prefault_in_background([t for pair in caches for t in pair]) is not None:
+            logger.info("KV cache: mapping its %.2f GiB in the background", num_blocks * spec.bytes_per_block / 2**30)
+    return caches

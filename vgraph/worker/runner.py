@@ -110,7 +110,8 @@ class ModelRunner:
         # What a sequence may really reach: max_model_len, or less when the KV cache is smaller.
         self.max_model_len = usable_max_model_len(config.max_model_len, self.num_blocks, self.spec.block_size,
                                                   self.device)
-        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device)
+        self.kv_caches = allocate_kv_caches(self.spec, self.num_blocks, self.device,
+                                            bool(config.cache.kv_cache_prefault))
         t2 = time.perf_counter()
         forward = self._compiled_forward()
         self.graphs = ForwardRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
