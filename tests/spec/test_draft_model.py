@@ -84,27 +84,26 @@ def test_config_fields_and_vllm_shorthand():
     assert SpeculativeConfig(model="d", num_speculative_tokens=5).describe() == "draft_model d, k=5"
 
 
+def _greedy_equal_counting(spec, plain, max_tokens: int) -> tuple[int, int]:
+    """Greedy outputs of ``spec`` equal ``plain``'s; (guessed, accepted) tokens in the run."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    before = spec.engine.stats()
+    assert _tokens(spec, PROMPTS, params) == _tokens(plain, PROMPTS, params)
+    after = spec.engine.stats()
+    _assert_draft_empty(spec)
+    return (after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+            after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
+
+
 def test_the_target_as_its_own_draft_keeps_every_guess(plain, itself):
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    before = itself.engine.stats()
-    assert _tokens(itself, PROMPTS, params) == _tokens(plain, PROMPTS, params)
-    after = itself.engine.stats()
-    guessed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    guessed, accepted = _greedy_equal_counting(itself, plain, 40)
     assert guessed > 0 and accepted == guessed, "the target agrees with itself"
-    _assert_draft_empty(itself)
 
 
 def test_a_draft_that_is_sometimes_wrong(plain, noisy):
     """Guesses kept and rejected: the draft's cache keeps the common prefix and recomputes the rest."""
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    before = noisy.engine.stats()
-    assert _tokens(noisy, PROMPTS, params) == _tokens(plain, PROMPTS, params)
-    after = noisy.engine.stats()
-    guessed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    guessed, accepted = _greedy_equal_counting(noisy, plain, 48)
     assert 0 < accepted < guessed, (accepted, guessed)
-    _assert_draft_empty(noisy)
 
 
 def test_n_and_stops_inside_an_accepted_run(plain, itself, noisy):
