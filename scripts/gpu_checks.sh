@@ -3,6 +3,9 @@
 # minutes, a bare machine each time; /work/.library/device/README.md, ../shared/gpu/README.md).
 #
 #   here:  bash ../shared/gpu/fetch-wheels.sh .gpu-wheels      (the server's deps, ~10 MB, ignored by git)
+#          plus what openai 3.x imports (the server tests' client), which that script does not fetch:
+#          python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#            --platform manylinux2014_x86_64 -d .gpu-wheels httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
 #   tool:  run(command="bash scripts/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=600)
 #   then, on the still-warm machine, what the summary's last line names, with the time left:
 #          run(command="GPU_CHECKS_BUDGET_S=200 bash scripts/gpu_checks.sh STEP ...", carry=[".gpu-wheels"])
