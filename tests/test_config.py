@@ -65,6 +65,8 @@ CASES: dict[str, list[tuple[list[str], Any]]] = {
     "max_num_seqs": [(["--max-num-seqs", "8"], 8)],
     "max_num_batched_tokens": [(["--max-num-batched-tokens", "512"], 512)],
     "enable_chunked_prefill": [(["--no-chunked-prefill"], False)],
+    "long_prefill_token_threshold": [(["--long-prefill-token-threshold", "64"], 64)],
+    "kv_cache_prefault": [(["--kv-cache-prefault"], True), (["--no-kv-cache-prefault"], False)],
     "speculative_config": [(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'],
                             SpeculativeConfig(num_speculative_tokens=2))],
     "async_scheduling": [(["--async-scheduling"], True), (["--no-async-scheduling"], False)],

@@ -26,8 +26,8 @@ def _tokens(**engine) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in [*first, *again]]
 
 
-def _garbage_pools(spec, num_blocks, device):
-    pools = kv_sizing.allocate_kv_caches(spec, num_blocks, device)
+def _garbage_pools(spec, num_blocks, device, prefault=False):
+    pools = kv_sizing.allocate_kv_caches(spec, num_blocks, device, prefault)
     for k, v in pools:
         k.fill_(float("nan"))
         v.fill_(float("nan"))
