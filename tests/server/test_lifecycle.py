@@ -69,6 +69,28 @@ def test_compiled_default_serves_and_drains_on_sigterm():
         proc.close()
 
 
+def test_sigterm_while_the_engine_core_process_is_starting_exits_at_once():
+    """A core that has not connected yet cannot take the shutdown command; it is stopped
+    instead of building its engine and then waiting for a command that never comes (the
+    server used to sit out the whole --shutdown-timeout)."""
+    proc = ServerProcess(*EAGER_ARGS)
+    try:
+        for _ in range(600):  # the HTTP side is up (it answers 503) while the core still imports
+            try:
+                if httpx.get(proc.url + "/health", timeout=1).status_code == 503:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        start = time.monotonic()
+        proc.proc.send_signal(signal.SIGTERM)
+        proc.proc.wait(25)
+        assert time.monotonic() - start < 20, proc.log()
+        assert "engine-core process stopped" in proc.log()
+    finally:
+        proc.close()
+
+
 @pytest.mark.parametrize("mode", [[], ["--engine-in-process"]], ids=["engine-process", "in-process"])
 def test_a_fatal_engine_error_fails_requests_and_exits_nonzero(mode):
     """A step that raises (in the engine-core process, patched there too: spawn re-imports the

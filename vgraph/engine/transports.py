@@ -55,8 +55,9 @@ class ThreadTransport:
         self._thread = threading.Thread(target=self._main, name="vgraph-engine", daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: tuple) -> bool:
         self._commands.put(command)
+        return True
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -137,9 +138,10 @@ class ProcessTransport:
         loop.add_reader(self.process.sentinel, self._on_process_exit)
         self._reader = loop.create_task(self._read_outputs())
 
-    def send(self, command: tuple) -> None:
-        """Encodes and sends a command; what the codec cannot carry (an int beyond 64 bits) is
-        the caller's ``ValueError``, raised before anything is sent."""
+    def send(self, command: tuple) -> bool:
+        """Encodes and sends a command; False when no core is connected to take it. What the
+        codec cannot carry (an int beyond 64 bits) is the caller's ``ValueError``, raised
+        before anything is sent."""
         import zmq
         if command[0] == ADD:
             kind, batch_id, submitted, items, lora = command
@@ -150,8 +152,10 @@ class ProcessTransport:
         data = encode_message(list(command))
         try:
             self._zmq[1].send(data, flags=zmq.NOBLOCK)
-        except zmq.Again:  # no core connected: it exited (its sentinel tells the rest)
+        except zmq.Again:  # no core connected: it exited (its sentinel tells the rest), or is starting
             logger.debug("the engine-core process is not connected; %r not sent", command[0])
+            return False
+        return True
 
     def alive(self) -> bool:
         return self.process is not None and not self._stopping and self._zmq is not None
@@ -164,7 +168,11 @@ class ProcessTransport:
         self._stopping = True
         self._stop_watching()
         if self.process.is_alive():
-            self.send((SHUTDOWN,))
+            if not self.send((SHUTDOWN,)):
+                # Not connected yet: a core still importing, with nothing to drain. Without
+                # this it would build its engine and then wait for a command that never comes.
+                logger.info("the engine-core process is still starting; stopping it")
+                self.process.kill()
             await asyncio.to_thread(self.process.join, timeout)
             if self.process.is_alive():
                 logger.warning("the engine-core process did not stop within %.1f s; killing it", timeout)
