@@ -107,6 +107,7 @@ class ProcessTransport:
         self._reader: Optional[asyncio.Task] = None
         self._early_tokenizer: Optional[tuple[str, asyncio.Future]] = None  # (path, its load) while the core starts
         self._stopping = False
+        self._core_started = False  # the core said READY or STARTUP_FAILED: it ends by itself
 
     def start(self, client: EngineClient) -> None:
         """Binds the sockets and spawns the engine-core process."""
@@ -168,9 +169,10 @@ class ProcessTransport:
         self._stopping = True
         self._stop_watching()
         if self.process.is_alive():
-            if not self.send((SHUTDOWN,)):
+            if not self.send((SHUTDOWN,)) and not self._core_started:
                 # Not connected yet: a core still importing, with nothing to drain. Without
                 # this it would build its engine and then wait for a command that never comes.
+                # (One whose startup failed has closed its socket and exits by itself.)
                 logger.info("the engine-core process is still starting; stopping it")
                 self.process.kill()
             await asyncio.to_thread(self.process.join, timeout)
@@ -229,8 +231,10 @@ class ProcessTransport:
             elif kind == ACCEPTED:
                 client._on_accepted(message[1], None if message[2] is None else decode_error(message[2]))
             elif kind == READY:
+                self._core_started = True
                 await self._ready(EngineFacts.decode(message[1]))
             elif kind == STARTUP_FAILED:
+                self._core_started = True
                 client._on_startup_failed(decode_error(message[1]))
             elif kind == FATAL:
                 error = decode_error(message[1])
