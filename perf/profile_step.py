@@ -29,16 +29,9 @@ from pathlib import Path
 
 import torch
 
-from .suites.decode import CPU_SHAPE, write_model_dir
+from .suites.decode import CPU_SHAPE, build_llm, write_model_dir
 
 PROMPT_LEN, NEW_TOKENS, ROUNDS = 128, 128, 3
-
-
-def build(path: str, device: str, dummy: bool, overlap: bool):
-    from vgraph import LLM
-    return LLM(path, dtype="bfloat16" if device == "cuda" else "float32", device=device, max_num_seqs=64,
-               max_model_len=1024, enable_prefix_caching=False, load_format="dummy" if dummy else "auto",
-               async_scheduling=overlap)
 
 
 def generate(llm, batch: int, new_tokens: int) -> None:
@@ -108,7 +101,7 @@ def main(argv=None) -> int:
             from vgraph.testing.checkpoints import build_perf_checkpoint
             path = build_perf_checkpoint(os.path.join(tmp, shape), seed=0)
         for overlap in (True, False):
-            llm = build(path, args.device, dummy, overlap)
+            llm, _ = build_llm(path, args.device, 64, {"async_scheduling": overlap}, dummy)
             generate(llm, args.batch, 8)  # warm
             step = ms_per_step(llm, args.batch, args.device)
             name = "overlapped" if overlap else "serial"
@@ -117,7 +110,6 @@ def main(argv=None) -> int:
                 busy = device_ms_per_step(llm, args.batch, args.device, args.out)
                 lines.append(f"  device busy per step (profiled generate): {busy:.3f} ms")
                 python_profile(llm, args.batch, args.out)
-            print(lines[-1], flush=True)
             llm.close()  # its step thread too: left running it would hold a core
             del llm
             torch._dynamo.reset()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..timing import time_variants
-from .decode import (BLOCK_SIZE, CONTEXT, CPU_SHAPE, MAX_MODEL_LEN, _free, num_blocks, shapes_for, weights_bytes,
-                     write_model_dir)
+from .decode import (BLOCK_SIZE, CONTEXT, CPU_SHAPE, MAX_MODEL_LEN, _free, num_blocks, shapes_for, step_fn,
+                     weights_bytes, write_model_dir)
 
 K = 4
 BATCHES = (1, 4, 16)
@@ -54,21 +54,12 @@ def steps(runner: Any, n: int) -> dict[str, Any]:
     return {"decode": decode, "verify": verify}
 
 
-def forward_fn(runner: Any, built: tuple) -> Callable[[], object]:
-    batch, decision = built
-
-    @torch.inference_mode()
-    def step() -> object:
-        return runner.model.compute_logits(batch.sampled_hidden(runner.graphs.run(batch, decision)))
-    return step
-
-
 def measure(llm: Any, device: str, reps: int) -> list[dict]:
     runner = llm.engine.runner
     rows = []
     for n in BATCHES:
         built = {name: runner.graphs.build(step) for name, step in steps(runner, n).items()}
-        timed = time_variants({name: forward_fn(runner, b) for name, b in built.items()}, device, reps=reps)
+        timed = time_variants({name: step_fn(runner, b) for name, b in built.items()}, device, reps=reps)
         ms = {name: timed[name]["median_s"] * 1e3 for name in built}
         rows.append({"batch": n, "decode_ms": ms["decode"], "verify_ms": ms["verify"],
                      "ratio": ms["verify"] / ms["decode"],

@@ -109,3 +109,25 @@ def assert_logprobs_close(a: Sequence, b: Sequence, atol: float) -> None:
             assert near_tie, (f"sequence {seq} step {step}: tokens {tx} vs {ty} differ without a near tie "
                               f"({lx} vs {ly})")
             break
+
+
+def logprobs_close(a, b, tol: float) -> bool:
+    """Two runs' logprobs (a sequence's, or a prompt's with None for its first token) name the
+    same tokens at every position, with values within ``tol``: batches of other row counts may
+    take other matrix-product kernels, which move fp32 results by an ulp or so."""
+    if a is None or b is None:
+        return a is b
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            if x is not y:
+                return False
+        elif x.keys() != y.keys() or any(abs(_logprob(x[t]) - _logprob(y[t])) > tol for t in x):
+            return False
+    return True
+
+
+def _logprob(value) -> float:
+    """A ``Logprob``'s value, or the float itself."""
+    return getattr(value, "logprob", value)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.checkpoints import tiny_checkpoint
+from tests.compiler.graph_scenarios import logprobs_close
 from tests.engine.test_overlapped_scheduling import _workload
 from vgraph import LLM, SamplingParams
 
@@ -25,27 +26,6 @@ def _llm(**kwargs) -> LLM:
     return LLM(tiny_checkpoint(arch="llama"), dtype="float32", device="cuda", seed=0, **kwargs)
 
 
-def _close_logprobs(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    if len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x is None or y is None:  # a prompt's first token has no logprob
-            if x is not y:
-                return False
-            continue
-        if x.keys() != y.keys():
-            return False
-        if any(abs(_value(x[t]) - _value(y[t])) > 1e-4 for t in x):
-            return False
-    return True
-
-
-def _value(logprob) -> float:
-    return getattr(logprob, "logprob", logprob)
-
-
 def _run(llm: LLM) -> list:
     prompts, params = zip(*_workload())
     return llm.generate(list(prompts), list(params), use_tqdm=False)
@@ -56,11 +36,11 @@ def test_overlapped_and_serial_loops_agree_on_cuda():
     expected, got = _run(serial), _run(overlapped)
     assert serial.engine.scheduler.num_preemptions > 0, "the small KV cache preempts"
     for e, g in zip(expected, got):
-        assert _close_logprobs(e.prompt_logprobs, g.prompt_logprobs)
+        assert logprobs_close(e.prompt_logprobs, g.prompt_logprobs, 1e-4)
         for ce, cg in zip(e.outputs, g.outputs, strict=True):
             assert (cg.token_ids, cg.text, cg.finish_reason, cg.stop_reason) == \
                 (ce.token_ids, ce.text, ce.finish_reason, ce.stop_reason)
-            assert _close_logprobs(ce.logprobs, cg.logprobs)
+            assert logprobs_close(ce.logprobs, cg.logprobs, 1e-4)
     for llm in (serial, overlapped):
         pool = llm.engine.scheduler.block_pool
         assert pool.num_free_blocks == pool.num_blocks, "every block came back"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoints import tiny_checkpoint
+from tests.compiler.graph_scenarios import logprobs_close
 from vgraph import LLM, SamplingParams
 from vgraph.config import CompileConfig
 from vgraph.worker.dispatch import Path
@@ -33,14 +34,7 @@ def _assert_same(got: list, want: list) -> None:
     products at another row count, which moves fp32 results by an ulp or so."""
     assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in want]
     for g, w in zip(got, want):
-        assert (g.logprobs is None) == (w.logprobs is None)
-        for a, b in zip(g.logprobs or (), w.logprobs or ()):
-            assert a.keys() == b.keys()
-            assert all(abs(_value(a[t]) - _value(b[t])) < 1e-5 for t in a)
-
-
-def _value(logprob) -> float:
-    return getattr(logprob, "logprob", logprob)
+        assert logprobs_close(g.logprobs, w.logprobs, 1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -118,7 +118,7 @@ def test_the_draft_models_share_is_read_from_its_checkpoint():
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).state_dict().values())
     target = SimpleNamespace(cache=SimpleNamespace(block_size=16), scheduler=SimpleNamespace(max_num_seqs=4),
                              max_model_len=64)
-    fixed, per_block = draft_memory(SpeculativeConfig(method="draft_model", model=path), target, 2)
+    fixed, per_block = draft_memory(SpeculativeConfig(method="draft_model", model=path), target, torch.bfloat16)
     head_dim = hf.hidden_size // hf.num_attention_heads
     assert per_block == 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 16 * 2
     assert fixed == params * 2 + DRAFT_WORKING_BYTES + (2 * 4 + 4) * per_block

@@ -32,6 +32,8 @@ from .config import SpeculativeConfig
 from .proposer import ProposalRequest, Proposer
 
 if TYPE_CHECKING:
+    import torch
+
     from ..worker.runner import ModelRunner
 
 logger = logging.getLogger("vgraph")
@@ -164,24 +166,22 @@ class DraftModelProposer(Proposer):
 DRAFT_WORKING_BYTES = 512 << 20
 
 
-def draft_memory(config: SpeculativeConfig, target: EngineConfig, elt: int) -> tuple[int, int]:
+def draft_memory(config: SpeculativeConfig, target: EngineConfig, dtype: "torch.dtype") -> tuple[int, int]:
     """What the draft will hold on the target's device, for the target's KV sizing (the draft
-    loads after it): bytes up front (weights in the target's dtype of ``elt`` bytes, working
-    memory, the blocks its pool holds beyond the target's) and its KV bytes per block of the
-    target's block size (its pool grows with the target's: ``_draft_engine_config``)."""
+    loads after it): bytes up front (weights in the target's ``dtype``, working memory, the
+    blocks its pool holds beyond the target's) and its KV bytes per block of the target's block
+    size (its pool grows with the target's: ``_draft_engine_config``)."""
     from ..models.demo import demo_model_path
+    from ..models.llama import arch_spec
     from ..models.loader import load_hf_config, resolve_model_path
+    from ..worker.kv_sizing import KVSpec
 
     path = demo_model_path(config.model) or resolve_model_path(config.model)
-    hf = load_hf_config(path)
-    heads = int(hf.num_attention_heads)
-    kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(hf, "head_dim", None) or int(hf.hidden_size) // heads)
+    arch = arch_spec(load_hf_config(path))
     block_size = target.cache.block_size
-    per_block = 2 * int(hf.num_hidden_layers) * kv_heads * head_dim * block_size * elt
-    seats = target.scheduler.max_num_seqs
-    spare_blocks = 2 * seats + -(-target.max_model_len // block_size)
-    return _checkpoint_numel(path) * elt + DRAFT_WORKING_BYTES + spare_blocks * per_block, per_block
+    per_block = KVSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, dtype).bytes_per_block
+    spare_blocks = 2 * target.scheduler.max_num_seqs + -(-target.max_model_len // block_size)
+    return _checkpoint_numel(path) * dtype.itemsize + DRAFT_WORKING_BYTES + spare_blocks * per_block, per_block
 
 
 def _checkpoint_numel(path: str) -> int:

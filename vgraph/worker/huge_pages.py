@@ -84,4 +84,3 @@ def _prefault(keep_alive: list[torch.Tensor], regions: list[tuple[int, int]]) ->
                             "its pages are mapped on first touch", ctypes.get_errno())
                 return
     logger.info("KV cache prefaulted: %.2f GiB in %.2f s", total / 2**30, time.perf_counter() - start)
-    del keep_alive

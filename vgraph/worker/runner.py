@@ -188,7 +188,7 @@ class ModelRunner:
         if profile is None or spec is None or spec.method != "draft_model":
             return None
         from ..spec.draft_model import draft_memory
-        fixed, per_block = draft_memory(spec, self.config, self.model.dtype.itemsize)
+        fixed, per_block = draft_memory(spec, self.config, self.model.dtype)
         logger.info("leaving %.3f GiB and %d bytes per KV block for the draft model %s", fixed / 2**30, per_block,
                     spec.model)
         return Companion(fixed, per_block)
