@@ -273,3 +273,68 @@ def test_a_tokenizer_with_its_own_decode_keeps_it(tokenizer):
     detok = IncrementalDetokenizer(own, [], skip_special_tokens=True)
     ids = own.encode("hello world")
     assert detok._decode(ids) == "<hello world>"
+
+
+def _texts(tokenizer, context, ids, skip, stream: bool, monkeypatch) -> list[str]:
+    """The output text after each token, through the Rust stream or (``stream=False``) the
+    Python offsets."""
+    import vgraph.engine.detokenizer as module
+    with monkeypatch.context() as patch:
+        if not stream:
+            patch.setattr(module, "_decode_stream", lambda *args: None)
+        detok = IncrementalDetokenizer(tokenizer, context, skip_special_tokens=skip)
+    assert (detok._stream is not None) == stream
+    texts = []
+    for token_id in ids:
+        detok.update([token_id])
+        texts.append(detok.output_text)
+    return texts
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rust_stream_equals_the_python_offsets(tokenizer, skip, seed, monkeypatch):
+    """Random ids (byte tokens that split characters, special tokens) after a prompt context:
+    the same text after every token either way."""
+    import random
+    rng = random.Random(seed)
+    context = tokenizer.encode("héllo wörld")
+    ids = [rng.randrange(len(tokenizer)) for _ in range(60)]
+    assert (_texts(tokenizer, context, ids, skip, True, monkeypatch)
+            == _texts(tokenizer, context, ids, skip, False, monkeypatch))
+
+
+def test_a_metaspace_tokenizer_keeps_the_first_tokens_space(monkeypatch):
+    """SentencePiece-style decoding strips a sequence's leading space: the prompt's context
+    keeps the first output token's, in the stream as in Python."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS * 3, trainer=trainers.BpeTrainer(vocab_size=200, special_tokens=["<s>", "</s>"]))
+    sp = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    context, ids = sp.encode("hello"), sp.encode(" world, hello there")
+    texts = _texts(sp, context, ids, True, True, monkeypatch)
+    assert texts == _texts(sp, context, ids, True, False, monkeypatch)
+    assert texts[-1] == " world, hello there"
+
+
+def test_a_failing_stream_hands_over_to_python(tokenizer, monkeypatch):
+    """Should the Rust stream refuse a step, the sequence goes on in Python from the last
+    emitted token: nothing lost, nothing repeated."""
+    text = "héllo wörld 日本語 the café"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("hello"), skip_special_tokens=True)
+    stream, backend = detok._stream
+
+    class Failing:
+        calls = 0
+
+        def step(self, backend, token_id):
+            Failing.calls += 1
+            if Failing.calls == 7:
+                raise Exception("DecodeStreamError: invalid prefix")
+            return stream.step(backend, token_id)
+    detok._stream = (Failing(), backend)
+    for token_id in ids:
+        detok.update([token_id])
+    assert detok._stream is None and detok.output_text == text

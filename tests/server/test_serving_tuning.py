@@ -82,14 +82,14 @@ def _topology(**kwargs):
     return ServingTopology("m", {"device": "cpu", "max_num_seqs": 16, "max_num_batched_tokens": None, **kwargs})
 
 
-def test_serving_on_cpu_defaults_to_small_prefill_chunks():
+def test_serving_on_cpu_defaults_to_the_serving_step_budget():
     from vgraph.engine.launch import SERVE_CPU_STEP_TOKENS, with_serving_defaults
     assert with_serving_defaults(_topology()).engine_kwargs["max_num_batched_tokens"] == SERVE_CPU_STEP_TOKENS
 
 
 def test_the_serving_budget_holds_every_seat_and_respects_the_user():
     from vgraph.engine.launch import with_serving_defaults
-    assert with_serving_defaults(_topology(max_num_seqs=300)).engine_kwargs["max_num_batched_tokens"] == 300
+    assert with_serving_defaults(_topology(max_num_seqs=3000)).engine_kwargs["max_num_batched_tokens"] == 3000
     assert with_serving_defaults(_topology(max_num_batched_tokens=777)).engine_kwargs["max_num_batched_tokens"] == 777
     whole_prompts = _topology(enable_chunked_prefill=False)
     assert with_serving_defaults(whole_prompts).engine_kwargs["max_num_batched_tokens"] is None
@@ -120,11 +120,22 @@ def test_a_short_spin_on_a_quiet_machine_passive_beside_busy_neighbours():
     assert choose(64, 32) == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def test_other_runnable_reads_the_kernels_running_count(tmp_path):
-    from vgraph.omp_policy import other_runnable
-    loadavg = tmp_path / "loadavg"
-    loadavg.write_text("0.50 0.40 0.30 3/412 9999\n")
-    assert other_runnable(str(loadavg)) == 2
+def _task(proc, pid: int, tid: int, state: str) -> None:
+    task = proc / str(pid) / "task" / str(tid)
+    task.mkdir(parents=True)
+    task.joinpath("stat").write_text(f"{tid} (a (busy) launcher) {state} 1 {pid} 0 0\n")
+
+
+def test_other_runnable_reads_the_kernels_running_count_less_the_launchers(tmp_path):
+    """The machine's running count, less this process and the threads of the process that
+    launched it (busy for a moment starting its children, then waiting: no neighbour)."""
+    from vgraph.omp_policy import other_runnable, running_threads
+    (tmp_path / "loadavg").write_text("0.50 0.40 0.30 4/412 9999\n")
+    assert other_runnable(str(tmp_path), launcher=77) == 3  # no such process: nothing to take off
+    for tid, state in ((77, "R"), (78, "S"), (79, "R")):
+        _task(tmp_path, 77, tid, state)
+    assert running_threads(77, str(tmp_path)) == 2
+    assert other_runnable(str(tmp_path), launcher=77) == 1
     assert other_runnable(str(tmp_path / "missing")) == 0
 
 

@@ -353,11 +353,13 @@ class Scheduler:
         """
         new_token_requests: list[Request] = []
         any_finished = False
+        prompt_results = result.prompt_logprobs is not None or result.pooled is not None
         for scheduled in output.scheduled:
             request = scheduled.request
             if request.status.finished:
                 continue
-            self._apply_prompt_results(request, result.prompt_logprobs, result.pooled)
+            if prompt_results:
+                self._apply_prompt_results(request, result.prompt_logprobs, result.pooled)
             end = scheduled.end_position
             stopped = False
             if scheduled.produces_token:
@@ -399,9 +401,12 @@ class Scheduler:
         the first that ends the request; returns whether one did. ``num_step_tokens`` counts
         what was appended."""
         rid = request.request_id
+        if not scheduled.draft_token_ids:  # one token: the common case
+            self._append_token(request, result.sampled[rid], result.logprobs)
+            request.num_step_tokens = 1
+            return self._check_stop(request)
         accepted = result.accepted_drafts.get(rid, []) if result.accepted_drafts else []
-        if scheduled.draft_token_ids:
-            self.spec_stats.record(len(scheduled.draft_token_ids), len(accepted))
+        self.spec_stats.record(len(scheduled.draft_token_ids), len(accepted))
         request.num_step_tokens = 0
         for token_id in (*accepted, result.sampled[rid]):
             self._append_token(request, token_id, result.logprobs)

@@ -32,7 +32,7 @@ from .stats import EngineStep, EngineStats, RequestTiming
 logger = logging.getLogger("vgraph")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Group:
     """One user request: ``n`` sequences sharing a prompt, and the request's times.
 
@@ -264,21 +264,27 @@ class LLMEngine:
         token_time = time.monotonic()
         deltas: dict[str, OutputDelta] = {}
         new_tokens: dict[str, int] = {}  # request id -> tokens this step, over its sequences
+        seq_to_group, groups_by_id = self._seq_to_group, self._groups
         for req in advanced:
-            group_id, index = self._seq_to_group[req.request_id]
+            group_id, index = seq_to_group[req.request_id]
             delta = deltas.get(group_id)
             if delta is None:  # the request's cached prompt tokens: its first sequence's, as reported before
-                first = self._groups[group_id].sequences[0]
-                delta = deltas[group_id] = OutputDelta(group_id, num_cached_tokens=first.num_cached_prefix_tokens)
-            new_tokens[group_id] = new_tokens.get(group_id, 0) + self._add_to_delta(delta, index, req)
-        groups = [self._groups[gid] for gid in deltas]
+                group = groups_by_id[group_id]
+                delta = deltas[group_id] = OutputDelta(group_id, [], group.sequences[0].num_cached_prefix_tokens)
+                new_tokens[group_id] = self._add_to_delta(delta, index, req)
+            else:
+                new_tokens[group_id] += self._add_to_delta(delta, index, req)
+        groups = [groups_by_id[gid] for gid in deltas]
         for group in groups:
             if not group.prompt_logprobs_sent and group.sequences[0].num_prompt_logprobs is not None:
                 self._attach_prompt_logprobs(group, deltas[group.request_id])
-        ids = dict.fromkeys([*first_scheduled, *new_tokens]) if first_scheduled else new_tokens
-        timings = [self._timing(self._groups[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
-                                gid in new_tokens)
-                   for gid in ids]
+        if first_scheduled:
+            ids = dict.fromkeys([*first_scheduled, *new_tokens])
+            timings = [self._timing(groups_by_id[gid], new_tokens.get(gid, 0), gid in first_scheduled, token_time,
+                                    gid in new_tokens)
+                       for gid in ids]
+        else:  # a step of running requests only: each one here produced
+            timings = [self._timing(group, new_tokens[group.request_id], False, token_time, True) for group in groups]
         for group in groups:
             if group.finished:
                 self._forget(group.request_id)
@@ -303,17 +309,19 @@ class LLMEngine:
     def _add_to_delta(delta: OutputDelta, index: int, req: Request) -> int:
         """Adds what ``req`` gained this step to its request's delta; returns its new tokens.
         A prefill-only sequence gains no token: its finish, or its embedding (pooling)."""
+        outputs = req.output_token_ids
         if req.pooling is not None:
             delta.embedding = req.pooling.embedding()
             return 0
-        if req.prefill_only:
+        if not outputs and req.prefill_only:
             delta.sequences.append(SequenceDelta(index, [], None, req.finish_reason, req.stop_reason))
             return 0
-        wants_logprobs = req.sampling_params.logprobs is not None
-        logprobs = [req.logprobs[-1]] if wants_logprobs and len(req.logprobs) == len(req.output_token_ids) else None
+        logprobs = None
+        if req.sampling_params.logprobs is not None and len(req.logprobs) == len(outputs):
+            logprobs = [req.logprobs[-1]]
         count = req.num_step_tokens  # more than one when speculative guesses were accepted
-        delta.sequences.append(SequenceDelta(index, req.output_token_ids[-count:], logprobs, req.finish_reason,
-                                             req.stop_reason))
+        delta.sequences.append(SequenceDelta(index, outputs[-count:] if count != 1 else [outputs[-1]], logprobs,
+                                             req.finish_reason, req.stop_reason))
         return count
 
     @staticmethod

@@ -32,7 +32,7 @@ Finish = tuple[str, int, Optional[str]]
 Output = Union[RequestOutput, EmbeddingRequestOutput]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     detokenizer: IncrementalDetokenizer
     wants_logprobs: bool
@@ -45,7 +45,7 @@ class _Sequence:
     sent_chars: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Request:
     request_id: str
     prompt: Optional[str]
@@ -57,7 +57,10 @@ class _Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences)
+        sequences = self.sequences
+        if len(sequences) == 1:  # most requests: no generator
+            return sequences[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in sequences)
 
 
 class OutputProcessor:
@@ -104,9 +107,10 @@ class OutputProcessor:
                 finish = self._advance(request, seq_delta)
                 if finish is not None:
                     finishes.append(finish)
-            if request.kind is not OutputKind.FINAL_ONLY or request.finished:
-                outputs.append(self._output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or request.kind is not OutputKind.FINAL_ONLY:
+                outputs.append(self._output(request, finished))
+            if finished:
                 del self._requests[request.request_id]
         return outputs, finishes
 
@@ -133,10 +137,11 @@ class OutputProcessor:
         return None
 
     @staticmethod
-    def _output(request: _Request) -> RequestOutput:
-        completions = [_completion(i, seq, request.kind is OutputKind.DELTA) for i, seq in enumerate(request.sequences)]
+    def _output(request: _Request, finished: bool) -> RequestOutput:
+        delta = request.kind is OutputKind.DELTA
+        completions = [_completion(i, seq, delta) for i, seq in enumerate(request.sequences)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.num_cached_tokens, request.prompt_logprobs)
+                             finished, request.num_cached_tokens, request.prompt_logprobs)
 
 
 def _completion(index: int, seq: _Sequence, delta: bool) -> CompletionOutput:

