@@ -21,12 +21,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED  # a set: asked for every sequence of every step
-
-
-_FINISHED = frozenset((RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED))
+    def __init__(self, value: str) -> None:
+        # A plain attribute, set once per member: asked several times for every sequence of
+        # every step, where a property hashing the member into a set cost ~0.4 us a time.
+        self.finished = value in ("stop", "length", "abort")
 
 
 @dataclass
