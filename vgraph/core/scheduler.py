@@ -40,7 +40,7 @@ from ..spec.stats import SpecDecodeStats, speculates
 
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: ``num_new_tokens`` tokens from ``start_position`` on.
 
@@ -192,15 +192,16 @@ class Scheduler:
         """Schedules running requests in order, preempting the newest when blocks run out."""
         index = 0
         guesses = self._proposals(budget, seats)
-        while index < len(self.running) and budget > 0 and len(output.scheduled) < seats:
-            request = self.running[index]
+        running, scheduled = self.running, output.scheduled  # preemption pops from running in place
+        while index < len(running) and budget > 0 and len(scheduled) < seats:
+            request = running[index]
             num_new = self._capped(min(self._num_schedulable(request), budget))
-            drafts = guesses.get(request.request_id, [])[:budget - 1] if num_new == 1 else []
+            drafts = guesses.get(request.request_id, [])[:budget - 1] if guesses and num_new == 1 else []
             num_new += len(drafts)
             if num_new > 0:
                 if not self._allocate_or_preempt(request, num_new, output):
                     break
-                output.scheduled.append(ScheduledRequest(request, num_new, drafts))
+                scheduled.append(ScheduledRequest(request, num_new, drafts))
                 budget -= num_new
             index += 1
         return budget

@@ -36,7 +36,7 @@ class PlannedRequest:
     lora_request: Optional[LoRARequest] = None  # its adapter (None: the base model)
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedChunk:
     """One scheduled chunk: ``num_new_tokens`` tokens from ``start_position`` on, and what
     changed in its request since the runner last saw it. Not frozen: one is built per request
@@ -74,7 +74,7 @@ class StepPlan:
         return sum(c.num_new_tokens for c in self.chunks)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seen:
     """What the runner was last told about one request. Blocks only grow while a request
     runs; a preemption frees them all, so a changed preemption count resends the table."""

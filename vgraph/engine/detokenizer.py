@@ -88,7 +88,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: Sequence[int]) -> Optional[str]:
         """Appends tokens, extends ``output_text``; returns the stop string if one now matched."""
-        if self.finished:
+        if self.stop_reason is not None:  # finished
             self._ids.extend(new_token_ids)
             return None
         previous_len = len(self.output_text)

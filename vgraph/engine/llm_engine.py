@@ -285,9 +285,9 @@ class LLMEngine:
                        for gid in ids]
         else:  # a step of running requests only: each one here produced
             timings = [self._timing(group, new_tokens[group.request_id], False, token_time, True) for group in groups]
-        for group in groups:
-            if group.finished:
-                self._forget(group.request_id)
+        for timing in timings:
+            if timing.finish_reasons:
+                self._forget(timing.request_id)
         return EngineStep(list(deltas.values()), timings, self.stats())
 
     def _submit_steps(self) -> None:

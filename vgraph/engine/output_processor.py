@@ -146,12 +146,17 @@ class OutputProcessor:
 
 def _completion(index: int, seq: _Sequence, delta: bool) -> CompletionOutput:
     """A sequence's output: everything so far, or (``delta``) what is new since the last one."""
-    text, tokens, logprobs = seq.detokenizer.output_text, seq.token_ids, seq.logprobs
+    text, tokens = seq.detokenizer.output_text, seq.token_ids
+    wanted = cumulative = None
     if delta:
-        text, tokens, logprobs = text[seq.sent_chars:], tokens[seq.sent_tokens:], logprobs[seq.sent_tokens:]
+        text, tokens = text[seq.sent_chars:], tokens[seq.sent_tokens:]
+        if seq.wants_logprobs:
+            wanted = seq.logprobs[seq.sent_tokens:]
         seq.sent_chars, seq.sent_tokens = len(seq.detokenizer.output_text), len(seq.token_ids)
     else:
-        tokens, logprobs = list(tokens), list(logprobs)
-    wanted = logprobs if seq.wants_logprobs else None
-    cumulative = seq.cumulative_logprob if seq.wants_logprobs and seq.logprobs else None
+        tokens = list(tokens)
+        if seq.wants_logprobs:
+            wanted = list(seq.logprobs)
+    if seq.wants_logprobs and seq.logprobs:
+        cumulative = seq.cumulative_logprob
     return CompletionOutput(index, text, tokens, cumulative, wanted, seq.finish_reason, seq.stop_reason)

@@ -161,8 +161,12 @@ class BatchBuilder:
                 rows.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             if item.produces_token:  # the last row, and each guess's row before it (spec/)
                 last = len(rows.ids)
-                sample_rows.extend(range(last - item.num_sampled_rows, last))
-                sampled.extend([req] * item.num_sampled_rows)
+                if item.draft_token_ids:
+                    sample_rows.extend(range(last - item.num_sampled_rows, last))
+                    sampled.extend([req] * item.num_sampled_rows)
+                else:
+                    sample_rows.append(last - 1)
+                    sampled.append(req)
             if rows_per_chunk > n:  # guesses this sequence lacks: rows that write no KV
                 extra = rows_per_chunk - n
                 rows.ids.extend([PAD_TOKEN_ID] * extra)

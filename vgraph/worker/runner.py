@@ -335,8 +335,12 @@ class ModelRunner:
             if record:
                 self.link.send(rows)
             return LaunchedStep(step, record=record)
-        prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits)
-        pooled = pooled_chunks(rows, step) or None
+        # Dummy steps (warm-up, capture) carry requests of their own: only a recorded step's
+        # are all in the runner's counts.
+        scoring = not record or self.requests.num_scoring
+        pooling = not record or self.requests.num_pooling
+        prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits) if scoring else None
+        pooled = (pooled_chunks(rows, step) or None) if pooling else None
         if not batch.sampled_requests:
             return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))

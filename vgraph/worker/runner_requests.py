@@ -20,7 +20,7 @@ from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class RunnerRequest:
     """One sequence as the runner knows it."""
 
@@ -104,13 +104,24 @@ class RunnerRequests:
 
     def __init__(self) -> None:
         self.requests: dict[str, RunnerRequest] = {}
+        # How many live requests ask for prompt logprobs / pooled states: while none does, a
+        # step skips the walks over its chunks that look for them (every step of a large batch).
+        self.num_scoring = 0
+        self.num_pooling = 0
 
     def apply(self, plan: StepPlan) -> RunnerStep:
         for request_id in plan.forget:
-            self.requests.pop(request_id, None)
+            gone = self.requests.pop(request_id, None)
+            if gone is not None:
+                self._count(gone, -1)
         for p in plan.new:
-            self.requests[p.request_id] = RunnerRequest.planned(p)
+            request = self.requests[p.request_id] = RunnerRequest.planned(p)
+            self._count(request, 1)
         return RunnerStep([self._advance(c) for c in plan.chunks])
+
+    def _count(self, request: RunnerRequest, sign: int) -> None:
+        self.num_scoring += sign * (request.num_prompt_logprobs is not None)
+        self.num_pooling += sign * (request.pooling_type is not None)
 
     def _advance(self, c: PlannedChunk) -> RunnerChunk:
         req = self.requests[c.request_id]
