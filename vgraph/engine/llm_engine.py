@@ -265,16 +265,17 @@ class LLMEngine:
         deltas: dict[str, OutputDelta] = {}
         new_tokens: dict[str, int] = {}  # request id -> tokens this step, over its sequences
         seq_to_group, groups_by_id = self._seq_to_group, self._groups
+        groups: list[_Group] = []  # those with a delta, in its order
         for req in advanced:
             group_id, index = seq_to_group[req.request_id]
             delta = deltas.get(group_id)
             if delta is None:  # the request's cached prompt tokens: its first sequence's, as reported before
                 group = groups_by_id[group_id]
+                groups.append(group)
                 delta = deltas[group_id] = OutputDelta(group_id, [], group.sequences[0].num_cached_prefix_tokens)
                 new_tokens[group_id] = self._add_to_delta(delta, index, req)
             else:
                 new_tokens[group_id] += self._add_to_delta(delta, index, req)
-        groups = [groups_by_id[gid] for gid in deltas]
         for group in groups:
             if not group.prompt_logprobs_sent and group.sequences[0].num_prompt_logprobs is not None:
                 self._attach_prompt_logprobs(group, deltas[group.request_id])
