@@ -89,8 +89,14 @@ def decode_params(data: list) -> Union[SamplingParams, PoolingParams]:
 
 # ---------------------------------------------------------------------------- stats, timings
 
+# Field names read once: ``dataclasses.fields`` rebuilds its tuple at every call, and a timing
+# is encoded for every request in every step.
+_STATS_FIELDS = [f.name for f in dataclasses.fields(EngineStats)]
+_TIMING_FIELDS = [f.name for f in dataclasses.fields(RequestTiming)]
+
+
 def encode_stats(stats: EngineStats) -> list:
-    return [getattr(stats, f.name) for f in dataclasses.fields(EngineStats)]
+    return [getattr(stats, name) for name in _STATS_FIELDS]
 
 
 def decode_stats(data: list) -> EngineStats:
@@ -99,7 +105,7 @@ def decode_stats(data: list) -> EngineStats:
 
 
 def encode_timing(timing: RequestTiming) -> list:
-    return [getattr(timing, f.name) for f in dataclasses.fields(RequestTiming)]
+    return [getattr(timing, name) for name in _TIMING_FIELDS]
 
 
 def decode_timing(data: list) -> RequestTiming:
