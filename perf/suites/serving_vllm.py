@@ -12,7 +12,7 @@ alternately (A B B A ...), each after one untimed warm-up run, so slow drift of 
 machine lands on both. The load average is recorded with every run.
 
 Both servers run with ``SEATS`` sequence seats (vLLM's CPU server default) and otherwise their
-defaults: vgraph's serving step budget on CPU is then 128 tokens, vLLM's 2048.
+defaults: the serving step budget on CPU is then 2048 tokens for both.
 
 Targets (issue 33): vgraph's req/s >= 1.1x vLLM's; vgraph's ITL p99 <= 2x its TPOT p50.
 
