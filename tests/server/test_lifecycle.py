@@ -1,6 +1,7 @@
 """Process lifecycle: the compiled default starting up, SIGTERM draining, fatal engine errors."""
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -76,11 +77,9 @@ def test_sigterm_while_the_engine_core_process_is_starting_exits_at_once():
     proc = ServerProcess(*EAGER_ARGS)
     try:
         for _ in range(600):  # the HTTP side is up (it answers 503) while the core still imports
-            try:
+            with contextlib.suppress(httpx.TransportError):
                 if httpx.get(proc.url + "/health", timeout=1).status_code == 503:
                     break
-            except httpx.TransportError:
-                pass
             time.sleep(0.05)
         start = time.monotonic()
         proc.proc.send_signal(signal.SIGTERM)

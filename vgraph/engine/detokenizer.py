@@ -67,8 +67,9 @@ class IncrementalDetokenizer:
         self.stop_reason: Optional[str] = None
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
         self._stop_pattern = _stop_pattern(self.stop)
-        self._decode_ids = _decoder(tokenizer, skip_special_tokens)
-        self._stream = _decode_stream(tokenizer, context, skip_special_tokens)
+        backend = _rust_tokenizer(tokenizer)
+        self._decode_ids = _decoder(tokenizer, backend, skip_special_tokens)
+        self._stream = None if backend is None else _decode_stream(backend, context, skip_special_tokens)
 
     @classmethod
     def from_request(cls, tokenizer: Any, request: "Request") -> "IncrementalDetokenizer":
@@ -158,35 +159,36 @@ class IncrementalDetokenizer:
         return stop
 
 
-def _decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=...,
-    clean_up_tokenization_spaces=False)`` returns it; the Rust tokenizer's ``decode`` where that
-    is all the wrapper would call (a subclass that overrides either decode keeps the wrapper)."""
+def _rust_tokenizer(tokenizer: Any) -> Optional[Any]:
+    """The Rust tokenizer behind ``tokenizer`` where ``tokenizer.decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)`` is all a call to it; None for a slow tokenizer or a
+    subclass that overrides either decode (it keeps its wrapper)."""
     try:
         from transformers import PreTrainedTokenizerFast as fast
     except ImportError:  # a transformers without fast tokenizers: the wrapper serves
-        fast = None
+        return None
     cls = type(tokenizer)
-    if fast is not None and isinstance(tokenizer, fast) and cls.decode is fast.decode and cls._decode is fast._decode:
-        backend_decode = tokenizer.backend_tokenizer.decode
-        return lambda ids: backend_decode(ids, skip_special_tokens=skip_special_tokens)
+    if isinstance(tokenizer, fast) and cls.decode is fast.decode and cls._decode is fast._decode:
+        return tokenizer.backend_tokenizer
+    return None
+
+
+def _decoder(tokenizer: Any, backend: Optional[Any], skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode`` returns it: the Rust ``backend``'s own decode
+    where there is one (``_rust_tokenizer``), else the wrapper."""
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                                         clean_up_tokenization_spaces=False)
 
 
-def _decode_stream(tokenizer: Any, context: list[int], skip_special_tokens: bool) -> Optional[tuple[Any, Any]]:
+def _decode_stream(backend: Any, context: list[int], skip_special_tokens: bool) -> Optional[tuple[Any, Any]]:
     """A ``tokenizers.decoders.DecodeStream`` seeded with ``context`` and the Rust tokenizer it
-    decodes with, where ``_decoder`` calls that tokenizer directly; None elsewhere (a slow or
-    overriding tokenizer, or a ``tokenizers`` without a seedable stream: before 0.22)."""
+    decodes with; None with a ``tokenizers`` that has no seedable stream (before 0.22)."""
     try:
-        from transformers import PreTrainedTokenizerFast as fast
         from tokenizers.decoders import DecodeStream
     except ImportError:
         return None
-    cls = type(tokenizer)
-    if not (isinstance(tokenizer, fast) and cls.decode is fast.decode and cls._decode is fast._decode):
-        return None
-    backend = tokenizer.backend_tokenizer
     if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT_CHAR):
         return None  # the stream would emit the context's text with the first token
     try:

@@ -285,7 +285,7 @@ class LLMEngine:
                                     gid in new_tokens)
                        for gid in ids]
         else:  # a step of running requests only: each one here produced
-            timings = [self._token_timing(group, new_tokens[group.request_id], token_time) for group in groups]
+            timings = [self._timing(group, new_tokens[group.request_id], False, token_time, True) for group in groups]
         for timing in timings:
             if timing.finish_reasons:
                 self._forget(timing.request_id)
@@ -321,8 +321,7 @@ class LLMEngine:
         if req.sampling_params.logprobs is not None and len(req.logprobs) == len(outputs):
             logprobs = [req.logprobs[-1]]
         count = req.num_step_tokens  # more than one when speculative guesses were accepted
-        delta.sequences.append(SequenceDelta(index, outputs[-count:] if count != 1 else [outputs[-1]], logprobs,
-                                             req.finish_reason, req.stop_reason))
+        delta.sequences.append(SequenceDelta(index, outputs[-count:], logprobs, req.finish_reason, req.stop_reason))
         return count
 
     @staticmethod
@@ -347,16 +346,6 @@ class LLMEngine:
                 group.first_scheduled = now
                 first.add(group.request_id)
         return first
-
-    @classmethod
-    def _token_timing(cls, group: _Group, num_new_tokens: int, now: float) -> RequestTiming:
-        """``_timing`` of a running request that produced an output: in most steps, the
-        next token of an unfinished request, one inter-token latency (the short way)."""
-        last = group.last_token
-        if last is None or not num_new_tokens or group.finished:
-            return cls._timing(group, num_new_tokens, False, now, True)
-        group.last_token = now
-        return RequestTiming(group.request_id, group.num_prompt_tokens, num_new_tokens, None, now - last)
 
     @staticmethod
     def _timing(group: _Group, num_new_tokens: int, first_scheduled: bool, now: float,
