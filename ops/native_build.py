@@ -4,6 +4,9 @@ Why not ``torch.utils.cpp_extension``: its builds include torch's headers and ta
 minute on a small machine, on the first start of every fresh environment. These kernels use
 no torch API (they take raw pointers through ctypes), so a plain compiler call builds one in
 about a second. It is the compiler Inductor's CPU backend needs anyway (``$CXX``, else ``c++``).
+The one exception is a library of dispatcher kernels (``TORCH_API_LIBRARIES``): it includes
+torch's dispatcher headers only and links against the torch this process runs (about five
+seconds, once per machine), and its key holds torch's version.
 
 Cache: ``$VGRAPH_CACHE_DIR/kernels`` (default ``~/.cache/vgraph/kernels``), one file per
 hash of the source (with the headers beside it), the compiler's version, the flags and this
@@ -48,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# Libraries that register torch dispatcher kernels in C++ (they include torch's headers).
+TORCH_API_LIBRARIES = frozenset({"linear_dispatch_cpu"})
 _lock = threading.Lock()
 # Kernel cache directories this process could not write -> where it builds instead.
 _private_dirs: dict[Path, Path] = {}
@@ -94,9 +99,28 @@ def cpu_features() -> str:
     return flags[0] if flags else platform.processor() or platform.machine()
 
 
-def library_key(source: str, cxx: str) -> str:
-    parts = [source, cxx, _compiler_version(cxx), " ".join(FLAGS), cpu_features()]
+def library_key(source: str, cxx: str, name: str = "") -> str:
+    compile_flags, link_flags = build_flags(name)
+    parts = [source, cxx, _compiler_version(cxx), " ".join(compile_flags + link_flags), cpu_features()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def build_flags(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The compiler's flags for ``ops/csrc/<name>.cpp``, and its link flags (after the source).
+    A dispatcher library adds torch's headers and libraries (found again at load time through
+    the rpath: the very files this process has loaded) and torch's C++ ABI; torch's headers
+    want C++20. The torch version is in the flags, through the path and the ABI define, and
+    in the key by ``torch.__version__``."""
+    if name not in TORCH_API_LIBRARIES:
+        return FLAGS, ()
+    import torch
+    root = Path(torch.__file__).resolve().parent
+    compile_flags = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-w",
+                     f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                     f"-DVGRAPH_TORCH_VERSION=\"{torch.__version__}\"",
+                     f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}")
+    link_flags = (f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}")
+    return compile_flags, link_flags
 
 
 def source_text(name: str) -> str:
@@ -110,17 +134,18 @@ def source_text(name: str) -> str:
 def build_name(name: str) -> str:
     """What ``ops/csrc/<name>.cpp`` builds to here, ``<name>-<key>``: the key covers the source,
     compiler, flags and CPU, so a measurement made against one build can be keyed by it."""
-    return f"{name}-{library_key(source_text(name), compiler())}"
+    return f"{name}-{library_key(source_text(name), compiler(), name)}"
 
 
-def _compile(cxx: str, source_file: Path, target: Path) -> None:
+def _compile(cxx: str, source_file: Path, target: Path, name: str = "") -> None:
     """Compiles into a temporary file next to ``target``, renames it into place, then records
     its digest (file_digest.py): a crash in between leaves a library without a record, which
     the next load rebuilds rather than trusts."""
     fd, tmp = tempfile.mkstemp(prefix=f".{target.stem}-", suffix=".so", dir=target.parent)
     os.close(fd)
+    compile_flags, link_flags = build_flags(name)
     try:
-        result = _run_compiler([cxx, *FLAGS, str(source_file), "-o", tmp], timeout=600)
+        result = _run_compiler([cxx, *compile_flags, str(source_file), "-o", tmp, *link_flags], timeout=600)
         if result.returncode != 0:
             raise NativeBuildError(f"{cxx} failed to build {source_file.name}:\n"
                                    f"{result.stderr.strip()[-2000:]}")
@@ -165,7 +190,7 @@ def _private_build_dir(unusable: Path, exc: OSError) -> Path:
 def _build(name: str, cxx: str, source_file: Path, source: str, reuse: bool = True) -> Path:
     """The library's path, built unless already cached and matching its digest record;
     ``reuse=False`` builds it even over a cached file (one that failed to load)."""
-    key = library_key(source, cxx)
+    key = library_key(source, cxx, name)
     cache = kernel_cache_dir()
     directory = _private_dirs.get(cache, cache)
     while True:
@@ -175,7 +200,7 @@ def _build(name: str, cxx: str, source_file: Path, source: str, reuse: bool = Tr
                 if reuse and _verified(target):
                     return target
                 start = time.perf_counter()
-                _compile(cxx, source_file, target)
+                _compile(cxx, source_file, target, name)
         except OSError as exc:  # read-only, full, or not a directory: build privately instead
             if directory != cache:
                 raise NativeBuildError(f"could not write {name} anywhere ({exc})") from exc
@@ -210,6 +235,19 @@ def _load(path: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(path))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {path}: {exc}") from exc
+
+
+def build_library(name: str) -> Path:
+    """``ops/csrc/<name>.cpp`` built in this cache (or found built and intact), not loaded: for
+    a library whose loading does something the caller prepares for (registers dispatcher
+    kernels). Raises NativeBuildError as ``load_library`` does."""
+    with _lock:
+        return _build(name, compiler(), CSRC / f"{name}.cpp", source_text(name))
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """Loads a library ``build_library`` returned, checked against its digest record first."""
+    return _load(path)
 
 
 @lru_cache(maxsize=None)

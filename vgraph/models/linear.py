@@ -22,7 +22,7 @@ from torch import Tensor, nn
 import logging
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
-from vgraph.ops.linear import kernel_isa, pack_weight, unpack_weight
+from vgraph.ops.linear import install_native_dispatch, kernel_isa, pack_weight, unpack_weight
 from vgraph.ops.linear_tuning import TUNING_ROWS, choose_prefill_kernels, describe
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,8 @@ def pack_linears(model: nn.Module, skip: set[str]) -> int:
     in ``skip`` (a tied lm_head) run the same kernel over their weight as it is."""
     float_linears = [(name, module) for name, module in model.named_modules()
                      if isinstance(module, Linear) and module.weight.dtype == torch.float32]
+    if float_linears:  # their ops' CPU calls then skip Python (ops/linear.py)
+        install_native_dispatch()
     for name, module in float_linears:
         if name in skip:
             _swap(model, name, RowMajorLinear(module))
