@@ -48,6 +48,7 @@ from .launched import LaunchedStep, pending_inputs
 from .runner_requests import RunnerRequests, RunnerStep
 from .sampler import Sampler, SamplingMetadata, SamplingMetadataCache
 from .startup import StartupReport
+from .step_threads import StepThreads
 
 if TYPE_CHECKING:
     from ..compiler.cache import CompileCache
@@ -96,6 +97,9 @@ class ModelRunner:
         self.sampling = SamplingMetadataCache(self.vocab_size, self.device)
         self.requests = RunnerRequests()  # the runner's copy of every planned, unfinished request
         self.stage = pp_stage()
+        # CPU: all threads or one per step size, as measured (step_threads.py); None elsewhere.
+        self.step_threads = StepThreads.for_engine(
+            self.device, config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size)
         # Activations to and from the neighbouring stages; None with one stage.
         self.link: Optional[StageLink] = StageLink(self.stage) if self.stage.size > 1 else None
         stage_input = None if self.stage.is_first else StageInput(2 * m.hidden_size, m.dtype)
@@ -330,7 +334,11 @@ class ModelRunner:
             feed.apply(batch.input_ids)
         if self.lora is not None:
             self._set_lora_slots(step)
-        rows = graphs.run(batch, decision)
+        if record and self.step_threads is not None:
+            with self.step_threads.forward(batch.num_scheduled):
+                rows = graphs.run(batch, decision)
+        else:
+            rows = graphs.run(batch, decision)
         if not self.stage.is_last:
             if record:
                 self.link.send(rows)

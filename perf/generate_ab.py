@@ -1,0 +1,94 @@
+"""``python -m perf.generate_ab [--base REV] [--rounds N] [--tokens N] [--batch B]``: the demo
+model's ``LLM.generate`` (one 16-token prompt per sequence, greedy, ``--tokens`` new tokens) of
+this checkout against git revision REV, in alternating child processes.
+
+Why a separate tool: issue 33's batch-1 target is a ratio against the code as it was, and a
+shared machine drifts by more than the gain in a few minutes, so the two run in turns (A B B A
+...) and the best of each side is compared. REV is installed (``pip install --no-deps
+--target``) into a temporary directory so that all of it, ``vgraph.ops`` included, is REV's
+(an editable checkout maps ``vgraph.ops`` to its own ``ops/`` whatever the path says); each side
+keeps its own kernel and compile caches (keyed by their sources). Both sides must give the
+same tokens. Prints each round and the ratio; ``--out`` writes them as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT_LEN = 16
+
+CHILD = """
+import json, sys, time
+from vgraph import LLM, SamplingParams
+batch, tokens, repeats = (int(a) for a in sys.argv[1:4])
+llm = LLM("demo-model-v1", device="cpu", max_num_seqs=max(8, batch), max_model_len=512, cpu_kv_cache_gib=0.5)
+params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+prompts = [[10 + (i * 7 + j) % 3000 for j in range(PROMPT_LEN)] for i in range(batch)]
+best, ids = float("inf"), None
+for _ in range(repeats):
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    best = min(best, time.perf_counter() - start)
+    ids = [o.outputs[0].token_ids for o in outputs]
+print(json.dumps({"seconds": best, "tok_s": batch * tokens / best, "ids": ids}))
+""".replace("PROMPT_LEN", str(PROMPT_LEN))
+
+
+def install(rev: str, directory: Path) -> Path:
+    """REV's tree, installed (not editable) under ``directory``: its path for PYTHONPATH."""
+    tree, target = directory / "tree", directory / "site"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True,
+                   capture_output=True)
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--target", str(target), str(tree)], check=True)
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    return target
+
+
+def run_side(pythonpath: Path, batch: int, tokens: int, repeats: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "VGRAPH_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(tokens), str(repeats)], env=env, cwd="/",
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare with (default HEAD)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=4, help="generate calls per child (the best counts)")
+    parser.add_argument("--out", type=Path, help="write the rounds and the ratio here (JSON)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="vgraph-generate-ab-") as tmp:
+        sides = {"base": install(args.base, Path(tmp)), "this": ROOT}
+        rounds: list[dict] = []
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(sides)[::-1]
+            row = {name: run_side(sides[name], args.batch, args.tokens, args.repeats) for name in order}
+            if row["base"]["ids"] != row["this"]["ids"]:
+                raise SystemExit("the two sides generated different tokens")
+            row = {name: round(v["tok_s"], 1) for name, v in row.items()} | {"load": os.getloadavg()[0]}
+            print(f"round {r}: base {row['base']} tok/s, this {row['this']} tok/s "
+                  f"({row['this'] / row['base']:.3f}x, load {row['load']:.2f})", flush=True)
+            rounds.append(row)
+    best = {name: max(r[name] for r in rounds) for name in sides}
+    ratio = best["this"] / best["base"]
+    print(f"best: base {best['base']} tok/s, this {best['this']} tok/s: {ratio:.3f}x (batch {args.batch}, "
+          f"{args.tokens} tokens, base {args.base})")
+    if args.out:
+        args.out.write_text(json.dumps({"base": args.base, "batch": args.batch, "tokens": args.tokens,
+                                        "rounds": rounds, "best_tok_s": best, "ratio": ratio}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
