@@ -584,7 +584,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Fp8Linear):
                 module.finalize()
         if self._pack_projections and packing_enabled():
-            pack_linears(self, skip={"lm_head"} if self._shared_lm_head else set())
+            pack_linears(self, tied={"lm_head"} if self._shared_lm_head else set())
 
     def _quantize_linears(self) -> None:
         """Swaps every decoder projection for its fp8 form (the lm_head stays as it is).
