@@ -8,7 +8,9 @@ import torch
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
 from vgraph.worker import step_threads
-from vgraph.worker.step_threads import RETRY_EVERY, TRIALS, StepThreads
+from vgraph.worker.step_threads import MAX_MEASURED_TOKENS, RETRY_EVERY, TRIALS, StepThreads
+
+ROUND = 2 * (TRIALS + 1)  # steps of one measurement: each side's first forward is not counted
 
 
 def _run(chooser: StepThreads, num_tokens: int, seconds_by_threads: dict[int, float]) -> int:
@@ -20,28 +22,36 @@ def _run(chooser: StepThreads, num_tokens: int, seconds_by_threads: dict[int, fl
 
 def test_it_measures_both_sides_in_turn_then_keeps_the_faster():
     chooser = StepThreads(4)
-    picks = [_run(chooser, 1, {4: 2e-3, 1: 1e-3}) for _ in range(2 * TRIALS)]
-    assert picks == [4, 1] * TRIALS
+    picks = [_run(chooser, 1, {4: 2e-3, 1: 1e-3}) for _ in range(ROUND)]
+    assert picks == [4, 1] * (TRIALS + 1)
     assert {_run(chooser, 1, {4: 2e-3, 1: 1e-3}) for _ in range(50)} == {1}
 
 
-def test_size_classes_choose_apart():
+def test_one_thread_must_win_clearly():
     chooser = StepThreads(2)
-    for _ in range(2 * TRIALS):
+    for _ in range(ROUND):  # one thread 5% faster: not enough
+        _run(chooser, 4, {2: 1.00e-3, 1: 0.95e-3})
+    assert chooser.threads_for(4) == 2
+
+
+def test_size_classes_choose_apart_and_large_steps_keep_every_thread():
+    chooser = StepThreads(2)
+    for _ in range(ROUND):
         _run(chooser, 1, {2: 2e-3, 1: 1e-3})  # one token: one thread is faster
-        _run(chooser, 300, {2: 5e-3, 1: 9e-3})  # 256-511 tokens: all of them are
+        _run(chooser, 200, {2: 5e-3, 1: 9e-3})  # 128-255 tokens: all of them are
+        assert _run(chooser, MAX_MEASURED_TOKENS + 1, {2: 9e-3, 1: 1e-3}) == 2  # never measured
     assert chooser.threads_for(1) == 1
-    assert chooser.threads_for(400) == 2 and chooser.threads_for(256) == 2
+    assert chooser.threads_for(250) == 2 and chooser.threads_for(128) == 2
 
 
 def test_it_measures_again_after_a_while():
     """A neighbour that came or went changes the answer: it is found at the next measurement."""
     chooser = StepThreads(2)
-    for _ in range(2 * TRIALS):
+    for _ in range(ROUND):
         _run(chooser, 8, {2: 1e-3, 1: 3e-3})
     assert [_run(chooser, 8, {2: 5e-3, 1: 3e-3}) for _ in range(RETRY_EVERY)] == [2] * RETRY_EVERY
-    remeasured = [_run(chooser, 8, {2: 5e-3, 1: 3e-3}) for _ in range(2 * TRIALS)]
-    assert sorted(remeasured) == [1] * TRIALS + [2] * TRIALS
+    remeasured = [_run(chooser, 8, {2: 5e-3, 1: 3e-3}) for _ in range(ROUND)]
+    assert sorted(remeasured) == [1] * (TRIALS + 1) + [2] * (TRIALS + 1)
     assert chooser.threads_for(8) == 1
 
 
@@ -51,11 +61,11 @@ def test_the_forward_block_sets_and_restores_the_threads():
     try:
         chooser = StepThreads(2)
         seen = []
-        for _ in range(2 * TRIALS):
+        for _ in range(ROUND):
             with chooser.forward(1):
                 seen.append(torch.get_num_threads())
             assert torch.get_num_threads() == 2
-        assert seen == [2, 1] * TRIALS
+        assert seen == [2, 1] * (TRIALS + 1)
     finally:
         torch.set_num_threads(before)
 

@@ -10,10 +10,14 @@ at batch 1, 0.59 / 0.64 ms on 2 / 1 threads with the short spin and 1.94 / 0.66 
 16 sequences 1.11 / 1.46 ms (spin) and 3.08 / 1.40 ms (passive). A model with larger weights
 gains from every thread at any batch. Which side wins depends on the model, the step and the
 machine's load, so it is measured where it runs: each size class (the step's token count, by
-its bit length) alternates between all threads and one until each has ``TRIALS`` forwards,
-keeps the faster by median, and measures again after ``RETRY_EVERY`` steps of the class (a
-neighbour may have come or gone). Outputs do not depend on the thread count (every kernel sums
-each output in one fixed order), so the choice changes timing only.
+its bit length) alternates between all threads and one until each has ``TRIALS`` forwards
+after a first one (which pays first touches of fresh memory), takes one thread only if its
+median is at least ``MARGIN`` faster, and measures again after ``RETRY_EVERY`` steps of the
+class (a neighbour may have come or gone). Steps of more than ``MAX_MEASURED_TOKENS`` tokens
+always take every thread: their regions are long enough to repay the wake-ups, and a noisy
+measurement there would cost most (a prefill on one thread takes up to twice as long). Outputs
+do not depend on the thread count (every kernel sums each output in one fixed order), so the
+choice changes timing only.
 
 Only for a single-rank CPU engine with more than one torch thread: ranks of a parallel group
 wait on each other, so one rank's timing would measure the others. ``VGRAPH_CPU_STEP_THREADS=all``
@@ -33,7 +37,9 @@ import torch
 
 logger = logging.getLogger("vgraph")
 
-TRIALS = 4  # forwards per side before a size class chooses
+TRIALS = 4  # forwards per side before a size class chooses (after one not counted)
+MARGIN = 0.9  # one thread is chosen only when its median forward is at most this fraction of all threads' one
+MAX_MEASURED_TOKENS = 256  # larger steps always run on all threads
 RETRY_EVERY = 512  # steps of a size class between two measurements
 ENV = "VGRAPH_CPU_STEP_THREADS"  # "all": no measuring, every step on all threads
 
@@ -68,6 +74,8 @@ class StepThreads:
 
     def threads_for(self, num_tokens: int) -> int:
         """The thread count for the next forward of ``num_tokens`` tokens."""
+        if num_tokens > MAX_MEASURED_TOKENS:
+            return self.threads
         size = self._classes.setdefault(num_tokens.bit_length(), _SizeClass())
         if not size.measuring:
             size.steps += 1
@@ -78,14 +86,15 @@ class StepThreads:
         return self.threads if many <= one else 1
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
-        """A forward's time; the size class chooses once both sides have ``TRIALS``."""
-        size = self._classes[num_tokens.bit_length()]
-        if not size.measuring:
+        """A forward's time; the size class chooses once both sides have ``TRIALS`` (each
+        side's first forward is dropped)."""
+        size = self._classes.get(num_tokens.bit_length()) if num_tokens <= MAX_MEASURED_TOKENS else None
+        if size is None or not size.measuring:
             return
         size.samples.setdefault(threads, []).append(seconds)
-        if len(size.samples) == 2 and all(len(s) >= TRIALS for s in size.samples.values()):
-            medians = {t: statistics.median(s) for t, s in size.samples.items()}
-            choice = min(medians, key=medians.get)
+        if len(size.samples) == 2 and all(len(s) > TRIALS for s in size.samples.values()):
+            medians = {t: statistics.median(s[1:]) for t, s in size.samples.items()}
+            choice = 1 if medians[1] <= MARGIN * medians[self.threads] else self.threads
             if choice != size.choice:
                 logger.debug("CPU steps of %d-%d tokens: %d thread(s) (median forward %.3f ms on %d, %.3f ms on 1)",
                              1 << max(0, num_tokens.bit_length() - 1), (1 << num_tokens.bit_length()) - 1, choice,
