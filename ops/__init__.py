@@ -31,14 +31,17 @@ from .unified_attention import unified_attention
 
 def build_cpu_kernels() -> dict[str, str | None]:
     """Builds (or loads from the cache) every C++ CPU kernel now, so a server pays the
-    first-use build before it reports ready rather than on its first request. Returns each
-    kernel's name and why it is unavailable (None when it loaded)."""
-    from . import cpu_attention_native, kv_cache, linear, lora
+    first-use build before it reports ready rather than on its first request, and moves the hot
+    ops' CPU calls to their C++ dispatcher kernels. Returns each library's name and why it is
+    unavailable (None when it loaded)."""
+    from . import cpu_attention_native, cpu_dispatch, kv_cache, linear, lora
     kernels = {"paged_attention_cpu": cpu_attention_native._KERNEL,
                "prefill_attention_cpu": cpu_attention_native._PREFILL_KERNEL,
                "kv_cache_cpu": kv_cache._NATIVE, "linear_cpu": linear._KERNEL, "lora_cpu": lora._NATIVE}
-    return {name: (None if kernel.load() is not None else kernel.unavailable)
-            for name, kernel in kernels.items()}
+    built = {name: (None if kernel.load() is not None else kernel.unavailable) for name, kernel in kernels.items()}
+    # Then the hot ops' C++ dispatcher kernels (ops/cpu_dispatch.py), which call those.
+    built[cpu_dispatch.LIBRARY] = None if cpu_dispatch.install() else cpu_dispatch.unavailable()
+    return built
 
 
 __all__ = [

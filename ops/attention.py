@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import cpu_attention
 from .kernels import lazy
+from .cpu_dispatch import python_kernel
 from .kv_cache import check_cache_input_dtype, check_kv_cache_pair, check_kv_scale, dequantize_kv
 from .registration import vgraph_op
 
@@ -194,11 +195,11 @@ def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                                           k_scale=k_scale, v_scale=v_scale)
 
 
-@paged_attention.register_kernel("cpu")
-def _(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-      query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
-      softmax_scale: float, k_scale: Optional[Tensor] = None,
-      v_scale: Optional[Tensor] = None) -> Tensor:
+@python_kernel("paged_attention")
+def _paged_attention_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                         query_start_loc: Tensor, seq_lens: Tensor, max_query_len: int,
+                         softmax_scale: float, k_scale: Optional[Tensor] = None,
+                         v_scale: Optional[Tensor] = None) -> Tensor:
     """Batched CPU kernel: a device kernel rather than the op's default, so the reference
     keeps defining the op (and serving devices without a kernel) while CPU gets the fast path."""
     _check_paged_attention(q, k_cache, v_cache, block_table, query_start_loc, seq_lens,

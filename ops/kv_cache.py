@@ -21,6 +21,7 @@ from torch import Tensor
 
 from .kernels import lazy
 from .kernels.host import FP8_DTYPE, FP8_MAX
+from .cpu_dispatch import python_kernel
 from .native_build import NativeKernel
 from .registration import vgraph_op
 
@@ -151,9 +152,9 @@ def _native_applies(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor
             and value.stride(-1) == 1 and k_cache.stride(-1) == 1)
 
 
-@reshape_and_cache.register_kernel("cpu")
-def _(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-      k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
+@python_kernel("reshape_and_cache", mutates_args=("k_cache", "v_cache"))
+def _reshape_and_cache_cpu(key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                           k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> None:
     _check_inputs(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if is_fp8_cache(k_cache):  # quantized first, the native kernel then copies bytes
         key, value = quantize_kv(key, k_scale), quantize_kv(value, v_scale)

@@ -16,19 +16,16 @@ without the kernel, and is the oracle in tests.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import threading
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .native_build import NativeBuildError, NativeKernel, build_library, load_library, open_library
-from .registration import NAMESPACE, vgraph_op
-
-logger = logging.getLogger(__name__)
+from .cpu_dispatch import python_kernel
+from .native_build import NativeKernel, load_library
+from .registration import vgraph_op
 
 PANEL = 16
 ENV_SWITCH = "VGRAPH_CPU_LINEAR"  # "torch": do not pack; every projection calls F.linear
@@ -140,10 +137,11 @@ def _(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+@python_kernel("packed_linear")
 def _packed_linear_cpu(x: Tensor, packed: Tensor, bias: Optional[Tensor], out_features: int,
                        dense: Optional[Tensor] = None) -> Tensor:
-    """The CPU kernel in Python: every case (the C++ dispatcher kernel hands it all but the
-    plain float32 one, see ``install_native_dispatch``)."""
+    """The CPU kernel in Python: every case (once installed, the C++ dispatcher kernel hands it
+    all but the plain float32 one: ops/cpu_dispatch.py)."""
     _check(x, packed, bias, out_features)
     _check_dense(dense, packed, out_features)
     if dense is not None and x.numel() >= DENSE_MIN_ROWS * x.shape[-1]:
@@ -185,6 +183,7 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@python_kernel("rowmajor_linear")
 def _rowmajor_linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """The CPU kernel in Python (as ``_packed_linear_cpu``)."""
     _check_rows(x, weight, bias)
@@ -203,75 +202,3 @@ def _rowmajor_linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> T
                  out.stride(0), torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
 
-
-# ---------------------------------------------------------------------- the CPU kernels' dispatch
-
-class _NativeDispatch:
-    """Who serves the two ops' CPU calls: the Python kernels above, registered here at import,
-    or, once ``install_native_dispatch`` ran, the C++ ones of ``csrc/linear_dispatch_cpu.cpp``.
-
-    Why: through the Python kernel a one-row call cost ~15 us (dispatcher -> Python -> checks,
-    reshape, allocation -> ctypes) for 3-6 us of tiles, and a decode step of a small model
-    makes dozens; the C++ kernel dispatches in under a microsecond and passes every call it
-    does not take (another dtype, a dense copy in use, a bad shape) to the Python kernel, through
-    the private ops ``packed_linear_python`` / ``rowmajor_linear_python``, so the fallbacks and
-    the error messages stay here. The C++ library registers its kernels when it loads, so the
-    Python registrations go first (``Library._destroy``), and come back if it fails to load.
-    Installed when a model packs its projections (models/linear.py), not at import: building
-    the library takes seconds, once per machine.
-    """
-
-    OPS: dict[str, Callable] = {"packed_linear": _packed_linear_cpu, "rowmajor_linear": _rowmajor_linear_cpu}
-
-    def __init__(self) -> None:
-        self._python = self._register_python()
-        self.fallbacks = torch.library.Library(NAMESPACE, "FRAGMENT")
-        for name, kernel in self.OPS.items():
-            schema = torch.library.infer_schema(kernel, mutates_args=()).replace("SymInt", "int")
-            self.fallbacks.define(f"{name}_python{schema}")
-            self.fallbacks.impl(f"{name}_python", kernel, "CompositeExplicitAutograd")
-        self.library: Optional[ctypes.CDLL] = None
-        self.unavailable: Optional[str] = None
-        self._lock = threading.Lock()
-
-    def _register_python(self) -> torch.library.Library:
-        library = torch.library.Library(NAMESPACE, "IMPL")
-        for name, kernel in self.OPS.items():
-            library.impl(name, kernel, "CPU")
-        return library
-
-    def install(self) -> bool:
-        with self._lock:
-            if self.library is None and self.unavailable is None:
-                try:
-                    self.library = self._load()
-                except NativeBuildError as exc:
-                    self.unavailable = str(exc)
-                    logger.warning("the CPU linear ops stay on their Python kernels: %s", exc)
-        return self.library is not None
-
-    def _load(self) -> ctypes.CDLL:
-        tiles, rows = _KERNEL.load(), _ROWS_KERNEL.load()
-        if tiles is None or rows is None:
-            raise NativeBuildError(_KERNEL.unavailable or _ROWS_KERNEL.unavailable or "no tiles")
-        path = build_library("linear_dispatch_cpu")
-        self._python._destroy()  # the C++ kernels register for the same ops as they load
-        try:
-            library = open_library(path)
-        except NativeBuildError:
-            self._python = self._register_python()
-            raise
-        configure = library.vgraph_linear_dispatch_configure
-        configure.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        configure(ctypes.cast(tiles, ctypes.c_void_p), ctypes.cast(rows, ctypes.c_void_p), PANEL, DENSE_MIN_ROWS)
-        return library
-
-
-_DISPATCH = _NativeDispatch()
-
-
-def install_native_dispatch() -> bool:
-    """Moves the CPU calls of ``packed_linear`` and ``rowmajor_linear`` to their C++ kernels
-    (built on first use); False, with one warning, where they cannot be built (the Python
-    kernels go on serving). Idempotent and thread-safe."""
-    return _DISPATCH.install()

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 # Libraries that register torch dispatcher kernels in C++ (they include torch's headers).
-TORCH_API_LIBRARIES = frozenset({"linear_dispatch_cpu"})
+TORCH_API_LIBRARIES = frozenset({"dispatch_cpu"})
 _lock = threading.Lock()
 # Kernel cache directories this process could not write -> where it builds instead.
 _private_dirs: dict[Path, Path] = {}

@@ -59,7 +59,7 @@ def _works(name: str, lib: ctypes.CDLL) -> None:
 
 def test_every_library_has_a_check():
     assert LIBRARIES == ["kv_cache_cpu", "linear_cpu", "lora_cpu", "paged_attention_cpu", "prefill_attention_cpu"]
-    assert native_build.TORCH_API_LIBRARIES == {"linear_dispatch_cpu"}
+    assert native_build.TORCH_API_LIBRARIES == {"dispatch_cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -245,13 +245,13 @@ def test_concurrent_first_users_compile_once_and_each_get_a_recorded_library(tmp
 @pytest.mark.parametrize("damage,why", [(_truncate, "truncated"), (_flip, "damaged")], ids=["truncated", "flipped"])
 def test_a_damaged_dispatcher_library_is_rebuilt_before_anything_loads_it(damage, why, tmp_path, monkeypatch,
                                                                          compiles, caplog):
-    """``build_library`` (what ``install_native_dispatch`` loads from) repairs the file first."""
+    """``build_library`` (what ``cpu_dispatch.install`` loads from) repairs the file first."""
     monkeypatch.setenv("VGRAPH_CACHE_DIR", str(tmp_path))
-    path = native_build.build_library("linear_dispatch_cpu")
+    path = native_build.build_library("dispatch_cpu")
     assert file_digest.problem(path) is None and len(compiles) == 1
     damage(path)
     caplog.set_level(logging.WARNING, logger=native_build.__name__)
-    assert native_build.build_library("linear_dispatch_cpu") == path
+    assert native_build.build_library("dispatch_cpu") == path
     (warning,) = _warnings(caplog)
     assert str(path) in warning and why in warning, warning
     assert len(compiles) == 2 and file_digest.problem(path) is None

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 import logging
 
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph.*)
-from vgraph.ops.linear import install_native_dispatch, kernel_isa, pack_weight, unpack_weight
+from vgraph.ops.linear import kernel_isa, pack_weight, unpack_weight
 from vgraph.ops.linear_tuning import TUNING_ROWS, choose_prefill_kernels, describe
 
 PACKED_TIED_HEAD_BYTES = 64 << 20  # a tied head up to this size gets a packed copy (module doc)
@@ -160,8 +160,6 @@ def pack_linears(model: nn.Module, tied: set[str]) -> int:
     (``PACKED_TIED_HEAD_BYTES``: then a packed copy, tied again when unpacked)."""
     float_linears = [(name, module) for name, module in model.named_modules()
                      if isinstance(module, Linear) and module.weight.dtype == torch.float32]
-    if float_linears:  # their ops' CPU calls then skip Python (ops/linear.py)
-        install_native_dispatch()
     row_major = {name for name, module in float_linears
                  if name in tied and module.weight.numel() * 4 > PACKED_TIED_HEAD_BYTES}
     for name, module in float_linears:
