@@ -201,4 +201,3 @@ def _rowmajor_linear_cpu(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> T
                  weight.stride(0), n, bias.data_ptr() if bias is not None else None, out.data_ptr(),
                  out.stride(0), torch.get_num_threads())
     return out.view(*x.shape[:-1], n)
-
