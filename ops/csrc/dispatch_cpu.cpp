@@ -46,7 +46,9 @@ using CacheWriteFn = int64_t (*)(const void*, const void*, int64_t, int64_t, int
                                  int64_t, int64_t, int64_t);
 using AttentionFn = int64_t (*)(const vgraph_attention::PagedAttentionArgs*);
 
-LinearFn g_linear = nullptr;  // vgraph_linear (linear_cpu.cpp), set before the library loads
+// Set once by vgraph_dispatch_configure, right after the load (a CPU runner's startup, before its
+// first forward); null until then, and each op takes its Python path meanwhile.
+LinearFn g_linear = nullptr;  // vgraph_linear (linear_cpu.cpp)
 RowsFn g_rows = nullptr;      // vgraph_linear_rows
 int64_t g_panel = 0;          // ops/linear.py PANEL
 int64_t g_dense_min_rows = 0; // ops/linear.py DENSE_MIN_ROWS
