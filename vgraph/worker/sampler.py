@@ -162,7 +162,7 @@ class SamplingMetadata:
             num_logprobs=asked,
             max_num_logprobs=max((n for n in asked if n is not None), default=None),
             grammar_rows=None if masks is None else _tensor(masks.rows, torch.int64, device),
-            grammar_bitmask=None if masks is None else _to_device(masks.bitmask, device),
+            grammar_bitmask=None if masks is None else to_device(masks.bitmask, device),
         )
 
 
@@ -190,8 +190,10 @@ def _same_rows(old: list[RunnerRequest], new: list[RunnerRequest]) -> bool:
     return len(old) == len(new) and all(a is b for a, b in zip(old, new))
 
 
-def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host."""
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host
+    (``torch.tensor(..., device=...)`` copies synchronously: it waits for every kernel queued
+    before it, the step in flight included)."""
     device = torch.device(device)
     if device.type != "cuda":
         return host
