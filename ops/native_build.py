@@ -109,8 +109,8 @@ def build_flags(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The compiler's flags for ``ops/csrc/<name>.cpp``, and its link flags (after the source).
     A dispatcher library adds torch's headers and libraries (found again at load time through
     the rpath: the very files this process has loaded) and torch's C++ ABI; torch's headers
-    want C++20. The torch version is in the flags, through the path and the ABI define, and
-    in the key by ``torch.__version__``."""
+    want C++20. The torch version enters the key through these flags: its path and a define
+    naming ``torch.__version__`` (an upgrade in place keeps the path)."""
     if name not in TORCH_API_LIBRARIES:
         return FLAGS, ()
     import torch
@@ -259,18 +259,14 @@ def load_library(name: str) -> ctypes.CDLL:
     with a warning. Raises NativeBuildError when there is no compiler or the build fails; callers
     fall back to their torch implementation.
     """
-    source_file = CSRC / f"{name}.cpp"
-    source = source_text(name)
-    cxx = compiler()
-    with _lock:
-        path = _build(name, cxx, source_file, source)
+    path = build_library(name)
     try:
         return _load(path)
     except NativeBuildError as exc:
         logger.warning("the cached C++ kernel %s does not load (%s); building it again", path,
                        exc.__cause__ or exc)
     with _lock:
-        return _load(_build(name, cxx, source_file, source, reuse=False))
+        return _load(_build(name, compiler(), CSRC / f"{name}.cpp", source_text(name), reuse=False))
 
 
 class NativeKernel:

@@ -26,12 +26,12 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <cctype>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
-#include <string>
 #include <vector>
+
+#include <strings.h>
 
 #include "paged_attention_common.h"
 
@@ -203,10 +203,7 @@ int64_t index_at(const at::Tensor& t, int64_t i) {
 // (read per call, as there).
 bool attention_switched_off() {
   const char* value = std::getenv("VGRAPH_CPU_ATTENTION");
-  if (value == nullptr) return false;
-  std::string lower(value);
-  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return lower == "torch";
+  return value != nullptr && strcasecmp(value, "torch") == 0;
 }
 
 // One segment (sequence, row, 1, seq_len) per sequence with a query row, as

@@ -18,6 +18,7 @@ samples nothing. Warm-up, profiling and capture run each stage alone, on zeros.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -334,10 +335,8 @@ class ModelRunner:
             feed.apply(batch.input_ids)
         if self.lora is not None:
             self._set_lora_slots(step)
-        if record and self.step_threads is not None:
-            with self.step_threads.forward(batch.num_scheduled):
-                rows = graphs.run(batch, decision)
-        else:
+        threads = self.step_threads if record else None  # dummy steps measure nothing
+        with threads.forward(batch.num_scheduled) if threads is not None else contextlib.nullcontext():
             rows = graphs.run(batch, decision)
         if not self.stage.is_last:
             if record:

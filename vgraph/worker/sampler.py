@@ -41,7 +41,7 @@ def _pad_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device |
     """Right-pads ragged id lists into a [B, L] int64 tensor (L >= 1 so scatter has a column)."""
     width = max((len(ids) for ids in id_lists), default=0) or 1
     rows = [list(ids) + [pad] * (width - len(ids)) for ids in id_lists]
-    return _tensor(rows, torch.int64, device).reshape(len(id_lists), width)
+    return device_tensor(rows, torch.int64, device).reshape(len(id_lists), width)
 
 
 def _token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
@@ -68,7 +68,7 @@ def _min_tokens_ban(request: RunnerRequest, vocab_size: int) -> list[int]:
     return sorted(t for t in banned if 0 <= t < vocab_size)
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``values`` on ``device``, staged through pinned host memory when that is a GPU."""
     device = torch.device(device)
     return upload(values, dtype, device, pin=device.type == "cuda")
@@ -137,20 +137,20 @@ class SamplingMetadata:
         asked = [p.logprobs for p in params]
         return cls(
             vocab_size=vocab_size,
-            temperature=_tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
+            temperature=device_tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
                                 torch.float32, device),
-            greedy=_tensor(greedy, torch.bool, device),
+            greedy=device_tensor(greedy, torch.bool, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            top_k=_tensor(top_k, torch.int64, device),
-            top_p=_tensor([p.top_p for p in params], torch.float32, device),
-            min_p=_tensor([p.min_p for p in params], torch.float32, device),
+            top_k=device_tensor(top_k, torch.int64, device),
+            top_p=device_tensor([p.top_p for p in params], torch.float32, device),
+            min_p=device_tensor([p.min_p for p in params], torch.float32, device),
             no_top_k=all(k == vocab_size for k in top_k),
             no_top_p=all(p.top_p >= 1.0 for p in params),
             no_min_p=all(p.min_p <= 0.0 for p in params),
-            repetition_penalty=_tensor(rep, torch.float32, device),
-            frequency_penalty=_tensor(freq, torch.float32, device),
-            presence_penalty=_tensor(pres, torch.float32, device),
+            repetition_penalty=device_tensor(rep, torch.float32, device),
+            frequency_penalty=device_tensor(freq, torch.float32, device),
+            presence_penalty=device_tensor(pres, torch.float32, device),
             no_penalties=no_penalties,
             output_token_counts=None if no_penalties else _token_counts(
                 [r.output_token_ids for r in requests], vocab_size, device),
@@ -161,8 +161,8 @@ class SamplingMetadata:
             generators=[None if g else r.generator for g, r in zip(greedy, requests)],
             num_logprobs=asked,
             max_num_logprobs=max((n for n in asked if n is not None), default=None),
-            grammar_rows=None if masks is None else _tensor(masks.rows, torch.int64, device),
-            grammar_bitmask=None if masks is None else to_device(masks.bitmask, device),
+            grammar_rows=None if masks is None else device_tensor(masks.rows, torch.int64, device),
+            grammar_bitmask=None if masks is None else _to_device(masks.bitmask, device),
         )
 
 
@@ -190,10 +190,8 @@ def _same_rows(old: list[RunnerRequest], new: list[RunnerRequest]) -> bool:
     return len(old) == len(new) and all(a is b for a, b in zip(old, new))
 
 
-def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host
-    (``torch.tensor(..., device=...)`` copies synchronously: it waits for every kernel queued
-    before it, the step in flight included)."""
+def _to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without blocking the host."""
     device = torch.device(device)
     if device.type != "cuda":
         return host
@@ -211,7 +209,7 @@ def _min_tokens_indices(requests: list[RunnerRequest], vocab_size: int, device: 
         cols.extend(banned)
     if not rows:
         return None, None
-    return _tensor(rows, torch.int64, device), _tensor(cols, torch.int64, device)
+    return device_tensor(rows, torch.int64, device), device_tensor(cols, torch.int64, device)
 
 
 @dataclass
