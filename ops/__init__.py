@@ -8,7 +8,8 @@ define each op's numerics and are the test oracle; for most ops they are the CPU
 implementation itself. The CPU hot spots of a decode step have their own kernels, checked
 against the references: paged attention (ops/cpu_attention.py: decode rows in C++, read in
 place from the paged cache; longer prefills gathered and run through SDPA), the KV-cache
-write, and ``packed_linear``, a float32 GEMM over weights packed into column panels. The C++
+write, and ``packed_linear``, a float32 GEMM over weights packed into column panels. On CUDA
+a 16-bit projection of one row (a batch-1 decode step) runs a GEMV kernel (``linear``). The C++
 sources live in ops/csrc and are built on first use by ops/native_build.py. This package
 depends on torch and triton only, so fusion-pass research can use it on any model.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 from .activation import silu_and_mul
 from .all_reduce_norm import all_reduce_fused_add_rms_norm, all_reduce_fused_add_rms_norm_static_fp8_quant
 from .attention import paged_attention, paged_attention_decode_split_kv
+from .dense_linear import linear, linear_silu_and_mul
 from .fp8 import dynamic_per_token_scaled_fp8_quant, fp8_gemm, static_scaled_fp8_quant
 from .fused_quant import (fused_add_rms_norm_static_fp8_quant, rms_norm_dynamic_per_token_fp8_quant,
                           rms_norm_static_fp8_quant, silu_and_mul_static_fp8_quant)
@@ -50,6 +52,6 @@ __all__ = [
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",
     "all_reduce_fused_add_rms_norm", "all_reduce_fused_add_rms_norm_static_fp8_quant",
-    "reshape_and_cache", "packed_linear", "lora_add", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
+    "reshape_and_cache", "packed_linear", "linear", "linear_silu_and_mul", "lora_add", "paged_attention", "paged_attention_decode_split_kv", "unified_attention",
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "build_cpu_kernels",
 ]

@@ -11,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from . import activation, fp8, fused_quant, lora, norm
+from . import activation, dense_linear, fp8, fused_quant, lora, norm
 from .kernels import activation as act_k
 from .kernels import fp8 as fp8_k
+from .kernels import gemv as gemv_k
 from .kernels import lora as lora_k
 from .kernels import norm as norm_k
 
@@ -72,7 +73,22 @@ def _cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, tuple, flo
          lambda a, b: fused_quant.rms_norm_dynamic_per_token_fp8_quant_reference(a, b, 1e-6), (x, w), fp8_tol),
         ("silu_and_mul_static_fp8_quant", lambda a, b: act_k.silu_and_mul_triton(a, scale=b),
          fused_quant.silu_and_mul_static_fp8_quant_reference, (gate_up, s), fp8_tol),
-    ] + _lora_cases(dtype) + _attention_cases(dtype)
+    ] + _gemv_cases(dtype) + _lora_cases(dtype) + _attention_cases(dtype)
+
+
+def _gemv_cases(dtype: torch.dtype) -> list:
+    """The one-row projection kernels (a batch-1 decode step's), plain with a bias and fused
+    with SwiGLU, at a K that the blocks do not divide."""
+    x, w, b = torch.randn(1, 1000, dtype=dtype), (torch.randn(600, 1000) / 30).to(dtype), torch.randn(600, dtype=dtype)
+
+    def projection(x, w, b):  # summed in fp32 and rounded once, as the kernel does
+        return torch.nn.functional.linear(x.float(), w.float(), b.float()).to(x.dtype)
+
+    def swiglu(x, w, b):
+        return dense_linear.linear_silu_and_mul_reference(projection(x, w, b).float(), torch.eye(600), None).to(x.dtype)
+    return [("linear (one row)", gemv_k.gemv_triton, projection, (x, w, b), REL_TOL[dtype]),
+            # gate and up are each rounded once: a last-bit difference in either doubles in the product
+            ("linear_silu_and_mul (one row)", gemv_k.gemv_silu_mul_triton, swiglu, (x, w, b), 2 * REL_TOL[dtype])]
 
 
 def _lora_cases(dtype: torch.dtype) -> list:

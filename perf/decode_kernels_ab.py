@@ -8,6 +8,8 @@ it. Per model shape:
 - every projection (fused qkv, o, gate_up, down, lm_head) at one row: torch's ``F.linear``
   (cuBLAS, and cuBLASLt as ``preferred_blas_library`` picks it) against ``ops/kernels/gemv.py`` at each launch configuration of ``GEMV_CONFIGS``;
   microseconds per call and GB/s of weight read;
+- the MLP's gate_up projection and SwiGLU: cuBLAS then ``silu_and_mul``, against the fused
+  one-row kernel (``gemv_silu_mul_triton``);
 - decode attention of one sequence at contexts 256 and 1024: the unified kernel against the
   split-KV pair at several split counts.
 
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 from vgraph.ops.kernels.attention import (paged_attention_decode_split_kv_triton,
                                           paged_attention_triton)
-from vgraph.ops.kernels.gemv import GemvConfig, gemv_triton
+from vgraph.ops.kernels.gemv import GemvConfig, gemv_silu_mul_triton, gemv_triton
 
 from .suites.decode import SHAPES
 
@@ -118,10 +120,28 @@ def projection_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
               f"  cublaslt {row['cublaslt_us']:8.2f} us"
               f"  gemv {gemv[best]:8.2f} us ({row['gemv_best_gbs']:6.0f} GB/s, {best})"
               f"  {row['gemv_speedup']:.2f}x", flush=True)
+        if name == "gate_up":
+            row.update(swiglu_rows(x, weights, out))
         rows.append(row)
         del weights
         torch.cuda.empty_cache()
     return rows
+
+
+def swiglu_rows(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor) -> dict:
+    """The MLP's first half at one row: cuBLAS then ``silu_and_mul``, against the fused kernel."""
+    from vgraph.ops.kernels.activation import silu_and_mul_triton
+    d = weights[0].shape[0] // 2
+    ref = silu_and_mul_triton(F.linear(x, weights[0]))
+    got = gemv_silu_mul_triton(x, weights[0])
+    if not torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2):
+        raise AssertionError("the fused SwiGLU kernel disagrees with cuBLAS + silu_and_mul")
+    act = torch.empty(1, d, device=x.device, dtype=x.dtype)
+    unfused = graph_us([lambda w=w: silu_and_mul_triton(torch.mm(x, w.t(), out=out)) for w in weights])
+    fused = graph_us([lambda w=w: gemv_silu_mul_triton(x, w, out=act) for w in weights])
+    print(f"  swiglu   cublas + silu_and_mul {unfused:8.2f} us  fused gemv {fused:8.2f} us  {unfused / fused:.2f}x",
+          flush=True)
+    return {"swiglu_unfused_us": unfused, "swiglu_fused_us": fused}
 
 
 def _key(config: GemvConfig) -> str:

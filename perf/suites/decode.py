@@ -50,8 +50,9 @@ from ..timing import time_variants
 
 CONTEXT = 256
 BLOCK_SIZE = 16
-# Bounds the persistent decode buffers; below the split-KV threshold (2048), so FULL graphs
-# run the same attention kernel as the other paths at this context.
+# Bounds the persistent decode buffers. FULL graphs bake a split-KV count for max_model_len:
+# small decode buckets (fewer programs than SMs) take the split kernel at this context, the
+# others the unified kernel (vgraph/worker/batch.py, kv_splits).
 MAX_MODEL_LEN = 1024
 FIT_FRACTION = 0.85  # of free device memory, for building every system of a shape at once
 RESERVE_BYTES = 3 << 30  # per LLM: activations, CUDA graph pools, workspaces, allocator slack

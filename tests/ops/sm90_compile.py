@@ -30,7 +30,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from tests.ops.launches import Launch, as_jit_function, recording
-from vgraph.ops.kernels import activation, attention, fp8, kv_cache, lora, norm
+from vgraph.ops.kernels import activation, attention, fp8, gemv, kv_cache, lora, norm
 
 ARCH = 90
 TARGET = GPUTarget("cuda", ARCH, 32)
@@ -160,10 +160,26 @@ def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, cache, cache,
                                                           torch.zeros(2, dtype=torch.long))))
     out += _lora_cases()
+    out += _gemv_cases()
     fp8_cache = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)
     out.append(("reshape_and_cache into fp8", kv_cache, ["_reshape_and_cache_kernel"],
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, fp8_cache, fp8_cache, torch.zeros(2, dtype=torch.long),
                                                           torch.ones(1), torch.ones(1))))
+    return out
+
+
+def _gemv_cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
+    """Every branch of ``gemv.config_for``: the 8B- and 0.5B-shaped projections it was chosen on."""
+    bf16, out = torch.bfloat16, []
+    for n, k, bias in [(6144, 4096, False), (4096, 4096, False), (28672, 4096, False), (4096, 14336, False),
+                       (1152, 896, True)]:
+        x, w = torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+        b = torch.empty(n, dtype=bf16) if bias else None
+        out.append((f"gemv {n}x{k}", gemv, ["_gemv_kernel"], lambda x=x, w=w, b=b: gemv.gemv_triton(x, w, b)))
+    for n, k in [(28672, 4096), (9728, 896)]:
+        x, w = torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+        out.append((f"gemv+silu {n}x{k}", gemv, ["_gemv_silu_mul_kernel"],
+                    lambda x=x, w=w: gemv.gemv_silu_mul_triton(x, w)))
     return out
 
 

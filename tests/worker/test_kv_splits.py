@@ -35,13 +35,28 @@ def test_sixteen_long_sequences_split_to_fill_the_gpu():
     assert 16 * 8 * splits >= 0.8 * H100_SMS * SLOTS_PER_SM
 
 
-@pytest.mark.parametrize("device,max_query_len,max_seq_len", [
-    (torch.device("cpu"), 1, 131072),  # CPU: no split-KV kernel
-    (CUDA, 2, 131072),                 # not pure decode
-    (CUDA, 1, 2047),                   # short context
+@pytest.mark.parametrize("device,num_seqs,max_query_len,max_seq_len", [
+    (torch.device("cpu"), 1, 1, 131072),  # CPU: no split-KV kernel
+    (CUDA, 1, 2, 131072),                 # not pure decode
+    (CUDA, 1, 1, 255),                    # too short even for a batch far under one program per SM
+    (CUDA, 17, 1, 2047),                  # 136 programs fill 132 SMs once: long contexts only
 ])
-def test_no_split(device, max_query_len, max_seq_len):
-    assert _builder(device=device).kv_splits(1, max_query_len, max_seq_len, num_sms=H100_SMS) == 1
+def test_no_split(device, num_seqs, max_query_len, max_seq_len):
+    assert _builder(device=device).kv_splits(num_seqs, max_query_len, max_seq_len, num_sms=H100_SMS) == 1
+
+
+@pytest.mark.parametrize("kv_heads,max_seq_len,cap", [(8, 1024, 16), (8, 256, 4), (2, 1024, 16), (8, 8192, 64)])
+def test_batch_one_splits_short_contexts(kv_heads, max_seq_len, cap):
+    """Batch 1 is a handful of programs on 132 SMs: a FULL graph's count (baked for
+    max_model_len) splits from 256 keys on, one split per 64 keys of max_model_len at most,
+    and close to that cap (the grid stays far under one wave)."""
+    splits = _builder(kv_heads).kv_splits(1, 1, max_seq_len, num_sms=H100_SMS)
+    assert 0.85 * cap <= splits <= cap
+
+
+def _cap(programs: int, max_seq_len: int) -> int:
+    keys = batch_module._SPLIT_KV_UNDERFILLED_KEYS_PER_SPLIT if programs < H100_SMS else MIN_KEYS
+    return min(max_seq_len // keys, MAX_SPLITS)
 
 
 def _wave_efficiency(programs: int, splits: int, slots: int) -> float:
@@ -58,8 +73,8 @@ def test_every_decode_bucket_fills_the_gpu_as_far_as_the_context_allows(kv_heads
     builder, slots = _builder(kv_heads), H100_SMS * SLOTS_PER_SM
     for bucket in default_capture_sizes(256):
         splits = builder.kv_splits(bucket, 1, max_seq_len, num_sms=H100_SMS)
-        cap = min(max_seq_len // MIN_KEYS, MAX_SPLITS)
         programs = bucket * kv_heads
+        cap = _cap(programs, max_seq_len)
         assert 1 <= splits <= cap, (bucket, splits)
         if programs >= 0.8 * slots:
             assert splits == 1, "a grid that already fills the GPU is not split"

@@ -40,15 +40,20 @@ def empty_parameter(*shape: int, dtype: torch.dtype, device: Any) -> nn.Paramete
 
 
 class Linear(nn.Module):
-    """``y = x @ W.T (+ b)`` with uninitialized parameters."""
+    """``y = x @ W.T (+ b)`` with uninitialized parameters. ``custom_op``: on CUDA, run as
+    ``vgraph::linear``, whose one-row calls take vgraph's GEMV kernel (ops/dense_linear.py);
+    off, ``F.linear`` (a model built for Inductor to generate its own kernels, a head)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 device: Any) -> None:
+                 device: Any, custom_op: bool = False) -> None:
         super().__init__()
         self.weight = empty_parameter(out_features, in_features, dtype=dtype, device=device)
         self.bias = empty_parameter(out_features, dtype=dtype, device=device) if bias else None
+        self.custom_op = custom_op
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.custom_op and self.weight.is_cuda:
+            return torch.ops.vgraph.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -60,8 +65,8 @@ class MergedLinear(Linear):
     """
 
     def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool,
-                 dtype: torch.dtype, device: Any) -> None:
-        super().__init__(in_features, sum(size for _, size in shards), bias, dtype, device)
+                 dtype: torch.dtype, device: Any, custom_op: bool = False) -> None:
+        super().__init__(in_features, sum(size for _, size in shards), bias, dtype, device, custom_op)
         self.shards: dict[str, tuple[int, int]] = {}
         start = 0
         for name, size in shards:

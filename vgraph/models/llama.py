@@ -173,11 +173,11 @@ def make_linear(opts: LayerOptions, in_features: int, out_features: int | list[t
         if fp8:
             return Fp8MergedLinear(in_features, out_features, bias, opts.dtype, opts.device,
                                    static, opts.use_custom_ops)
-        return MergedLinear(in_features, out_features, bias, opts.dtype, opts.device)
+        return MergedLinear(in_features, out_features, bias, opts.dtype, opts.device, opts.use_custom_ops)
     if fp8:
         return Fp8Linear(in_features, out_features, bias, opts.dtype, opts.device, static,
                          opts.use_custom_ops)
-    return Linear(in_features, out_features, bias, opts.dtype, opts.device)
+    return Linear(in_features, out_features, bias, opts.dtype, opts.device, opts.use_custom_ops)
 
 
 class Embedding(nn.Module):
@@ -282,17 +282,29 @@ class MLP(nn.Module):
         self.down_lora = make_lora(opts, size, [("down_proj", spec.hidden_size)])
 
     def forward(self, x: Tensor, lora_slots: Optional[Tensor] = None) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.gate_up_lora is not None:
-            gate_up = self.gate_up_lora(x, gate_up, lora_slots)
-        if self.use_custom_ops:
-            act = torch.ops.vgraph.silu_and_mul(gate_up)
-        else:
-            act = silu_and_mul_reference(gate_up)
+        act = self._fused_activation(x) if self._fuses_projection() else self._activation(x, lora_slots)
         down = self.down_proj(act)
         if self.down_lora is not None:
             down = self.down_lora(act, down, lora_slots)
         return all_reduce(down, self.tp)
+
+    def _fuses_projection(self) -> bool:
+        """A plain 16-bit [gate | up] projection on CUDA with no adapter runs with its
+        activation as one op (one kernel at a batch-1 decode step: ops/dense_linear.py). Not
+        when fp8 (the quant passes fuse the activation with the next layer's input quant)."""
+        proj = self.gate_up_proj
+        return self.gate_up_lora is None and type(proj) is MergedLinear and proj.custom_op and proj.weight.is_cuda
+
+    def _fused_activation(self, x: Tensor) -> Tensor:
+        return torch.ops.vgraph.linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+
+    def _activation(self, x: Tensor, lora_slots: Optional[Tensor]) -> Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_lora is not None:
+            gate_up = self.gate_up_lora(x, gate_up, lora_slots)
+        if self.use_custom_ops:
+            return torch.ops.vgraph.silu_and_mul(gate_up)
+        return silu_and_mul_reference(gate_up)
 
 
 class MissingLayer(nn.Module):

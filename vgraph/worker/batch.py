@@ -36,6 +36,13 @@ _SPLIT_KV_MIN_SEQ_LEN = 2048
 _SPLIT_KV_PROGRAMS_PER_SM = 4
 _SPLIT_KV_MIN_KEYS_PER_SPLIT = 512
 _SPLIT_KV_MAX_SPLITS = 64
+# A batch of fewer programs than SMs (batch 1 of an 8-KV-head model: 8 programs on 132 SMs)
+# splits from short contexts on: the stage-1 kernel divides the sequence's actual keys among
+# the splits, so a count baked for max_model_len still spreads a short context, and the empty
+# splits exit at once. Measured on an H200 (perf.decode_kernels_ab, batch 1, bf16): 8B shape
+# 10.5 -> 8.0 us at 256 keys and 30.1 -> 9.8 us at 1024; 0.5B shape 8.1 -> 6.4 and 20.8 -> 6.6.
+_SPLIT_KV_UNDERFILLED_MIN_SEQ_LEN = 256
+_SPLIT_KV_UNDERFILLED_KEYS_PER_SPLIT = 64
 
 
 @dataclass
@@ -218,15 +225,21 @@ class BatchBuilder:
         """Split-KV is a decode kernel, on CUDA, for contexts long enough to split. The count
         fills the GPU: (sequence, kv head) programs times splits against the device's SMs
         (``num_sms``, default read once from the device) times a few resident programs each,
-        with at least ``_SPLIT_KV_MIN_KEYS_PER_SPLIT`` keys of ``max_seq_len`` per split. A FULL
+        with at least ``_SPLIT_KV_MIN_KEYS_PER_SPLIT`` keys of ``max_seq_len`` per split, or
+        ``_SPLIT_KV_UNDERFILLED_*`` for a batch of fewer programs than SMs. A FULL
         batch passes its bucket's sequence count and max_model_len, so each captured graph
         bakes one count that serves every context length."""
-        if self.device.type != "cuda" or max_query_len != 1 or max_seq_len < _SPLIT_KV_MIN_SEQ_LEN:
+        if self.device.type != "cuda" or max_query_len != 1:
             return 1
         sms = num_sms if num_sms is not None else sm_count(self.device)
-        max_splits = min(max_seq_len // _SPLIT_KV_MIN_KEYS_PER_SPLIT, _SPLIT_KV_MAX_SPLITS)
-        return wave_efficient_splits(num_seqs * self.num_kv_heads, sms * _SPLIT_KV_PROGRAMS_PER_SM,
-                                     max_splits)
+        programs = num_seqs * self.num_kv_heads
+        underfilled = programs < sms
+        min_len = _SPLIT_KV_UNDERFILLED_MIN_SEQ_LEN if underfilled else _SPLIT_KV_MIN_SEQ_LEN
+        if max_seq_len < min_len:
+            return 1
+        keys = _SPLIT_KV_UNDERFILLED_KEYS_PER_SPLIT if underfilled else _SPLIT_KV_MIN_KEYS_PER_SPLIT
+        max_splits = min(max_seq_len // keys, _SPLIT_KV_MAX_SPLITS)
+        return wave_efficient_splits(programs, sms * _SPLIT_KV_PROGRAMS_PER_SM, max_splits)
 
     def _dev(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.device, non_blocking=True)

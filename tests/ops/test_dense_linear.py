@@ -1,0 +1,112 @@
+"""``vgraph::linear`` / ``vgraph::linear_silu_and_mul`` and the one-row GEMV kernels behind their
+CUDA implementations (interpreted on CPU, compiled on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vgraph.ops import dense_linear
+from vgraph.ops.kernels.gemv import GemvConfig, config_for, gemv_silu_mul_triton, gemv_triton
+
+# Small shapes through each launch configuration config_for can pick: rows that do not fill
+# the last program, K that does and does not divide the block.
+CONFIGS = [GemvConfig(16, 256, 4), GemvConfig(16, 1024, 8), GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4)]
+SHAPES = [(37, 300), (64, 1024), (20, 512 + 96)]
+
+
+def _case(n: int, k: int, device: str, dtype: torch.dtype, bias: bool):
+    x = torch.randn(1, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype) / k ** 0.5
+    b = torch.randn(n, dtype=dtype) if bias else None
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return (x, w, b), (on(x), on(w), on(b))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}w{c.num_warps}")
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(kernel_device, config, n, k, bias):
+    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias)
+    got = gemv_triton(*args, config=config)
+    torch.testing.assert_close(got.cpu(), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", CONFIGS[2:], ids=lambda c: f"n{c.block_n}k{c.block_k}w{c.num_warps}")
+@pytest.mark.parametrize("n,k", [(38, 300), (64, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_swiglu_matches_projection_then_activation(kernel_device, config, n, k, bias):
+    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias)
+    got = gemv_silu_mul_triton(*args, config=config)
+    assert got.shape == (1, n // 2)
+    torch.testing.assert_close(got.cpu(), dense_linear.linear_silu_and_mul_reference(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_rounds_the_projection_as_the_unfused_pair_does(kernel_device):
+    """The fused kernel rounds gate and up to bf16 before the activation, as the projection's
+    bf16 output is rounded before ``silu_and_mul``: no drift between batch 1 and larger batches
+    beyond the projection's own summation order."""
+    (x, w, _), args = _case(64, 512, kernel_device, torch.bfloat16, False)
+    gate_up = F.linear(x.float(), w.float()).to(torch.bfloat16).float()
+    expected = (F.silu(gate_up[:, :32]) * gate_up[:, 32:]).to(torch.bfloat16)
+    torch.testing.assert_close(gemv_silu_mul_triton(*args).cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_config_for_each_branch():
+    assert config_for(28672, 4096) == GemvConfig(16, 256, 4)     # many rows: gate_up, heads
+    assert config_for(4096, 14336) == GemvConfig(16, 1024, 8)    # long rows: down
+    assert config_for(6144, 4096) == GemvConfig(8, 512, 4)       # qkv, o of an 8B
+    assert config_for(1152, 896) == GemvConfig(4, 1024, 4)       # a 0.5B's small projections
+
+
+@pytest.mark.parametrize("shape,dtype,expected", [
+    ((1, 64), torch.bfloat16, True),
+    ((1, 64), torch.float16, True),
+    ((2, 64), torch.bfloat16, False),     # a batch: the library
+    ((1, 64), torch.float32, False),      # fp32: the library (the kernel was measured at 16 bits)
+])
+def test_which_calls_take_the_kernel(shape, dtype, expected):
+    assert dense_linear.one_row_kernel(torch.zeros(shape, dtype=dtype), torch.zeros(96, 64, dtype=dtype)) is expected
+
+
+def test_heads_and_strided_rows_stay_with_the_library():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    head = torch.zeros(dense_linear.LIBRARY_FROM_ROWS, 64, dtype=torch.bfloat16)
+    assert not dense_linear.one_row_kernel(x, head)
+    assert not dense_linear.one_row_kernel(torch.zeros(1, 128, dtype=torch.bfloat16)[:, ::2],
+                                           torch.zeros(96, 64, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_ops_on_cpu_are_the_references(rows):
+    x, w, b = torch.randn(rows, 48), torch.randn(40, 48), torch.randn(40)
+    torch.testing.assert_close(torch.ops.vgraph.linear(x, w, b), F.linear(x, w, b))
+    torch.testing.assert_close(torch.ops.vgraph.linear(x, w, None), F.linear(x, w))
+    torch.testing.assert_close(torch.ops.vgraph.linear_silu_and_mul(x, w, b),
+                               F.silu(F.linear(x, w, b)[:, :20]) * F.linear(x, w, b)[:, 20:])
+
+
+def test_opcheck():
+    x, w, b = torch.randn(2, 48), torch.randn(40, 48), torch.randn(40)
+    torch.library.opcheck(torch.ops.vgraph.linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.vgraph.linear_silu_and_mul.default, (x, w, None))
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="weight"):
+        torch.ops.vgraph.linear(torch.randn(1, 8), torch.randn(4, 9), None)
+    with pytest.raises(ValueError, match="even"):
+        torch.ops.vgraph.linear_silu_and_mul(torch.randn(1, 8), torch.randn(5, 8), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_cuda_ops_agree_with_the_library(rows):
+    """On the GPU, one row takes the kernel and more rows the library; both agree with it."""
+    x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16) / 30
+    b = torch.randn(1152, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.ops.vgraph.linear(x, w, b), F.linear(x, w, b), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(torch.ops.vgraph.linear_silu_and_mul(x, w, b),
+                               torch.ops.vgraph.silu_and_mul(F.linear(x, w, b)), atol=2e-2, rtol=2e-2)
