@@ -3,13 +3,13 @@
 Why ops of their own: a batch-1 decode step is a weight stream, and there torch's GEMM
 library reached 2.4-3.9 TB/s on an H200's 8B-shaped projections and 0.3-2.4 TB/s on the
 0.5B-shaped ones, where vgraph's one-row kernel (ops/kernels/gemv.py) reached 3.3-4.2 and
-0.6-2.6 (``python -m perf.decode_kernels_ab``). So a call with one row of a bf16/fp16 weight
-takes the GEMV kernel, and every other call (prefill, a batch of decode rows, fp32, CPU) is
+0.6-2.6 (``python -m perf.decode_kernels_ab``). So a call with one or two rows of a bf16/fp16
+weight takes the GEMV kernel (batch 1 reaches the compiled forward padded to two rows), and every other call (prefill, a batch of decode rows, fp32, CPU) is
 ``F.linear`` as before. Which one runs is decided per call from the row count, so one compiled
-graph serves both: the batch-1 FULL CUDA graph captures the GEMV, larger buckets the library.
+graph serves both: the batch-1 and -2 FULL CUDA graphs capture the GEMV, larger buckets the library.
 
-``linear_silu_and_mul`` is a [gate | up] projection followed by SwiGLU; at one row both come
-out of one kernel (the activation kernel and the [1, 2d] intermediate disappear), otherwise it
+``linear_silu_and_mul`` is a [gate | up] projection followed by SwiGLU; at one or two rows both
+come out of one kernel (the activation kernel and the [M, 2d] intermediate disappear), otherwise it
 is ``F.linear`` then ``vgraph::silu_and_mul``.
 
 Heads (>= ``LIBRARY_FROM_ROWS`` output rows) stay with the library: at 128k-152k rows the two
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .kernels import lazy
+from .kernels.host import GEMV_MAX_ROWS
 from .registration import vgraph_op
 
 kernels = lazy("gemv")
@@ -33,9 +34,11 @@ LIBRARY_FROM_ROWS = 65536
 
 
 def one_row_kernel(x: Tensor, weight: Tensor) -> bool:
-    """Does this call take the GEMV kernel (on CUDA)? One row of a 16-bit weight, both
-    contiguous along K, and not a vocabulary-sized head."""
-    return (x.dim() == 2 and x.shape[0] == 1 and weight.dtype in ONE_ROW_DTYPES and x.dtype == weight.dtype
+    """Does this call take the GEMV kernel (on CUDA)? One or two rows (a batch-1 step of the
+    compiled forward has two: ``COMPILED_MIN_ROWS``) of a 16-bit weight, both contiguous along
+    K, and not a vocabulary-sized head."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and weight.dtype in ONE_ROW_DTYPES
+            and x.dtype == weight.dtype
             and weight.shape[0] < LIBRARY_FROM_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1)
 
 

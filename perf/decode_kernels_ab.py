@@ -1,13 +1,16 @@
-"""``python -m perf.decode_kernels_ab [--shapes llama3-8b,qwen2.5-0.5b] [--out FILE]``: the
+"""``python -m perf.decode_kernels_ab [--shapes llama3-8b,qwen2.5-0.5b] [--rows 1,2] [--chosen]
+[--out FILE]``: the
 batch-1 decode step's two big device costs, each kernel against its alternatives, on a GPU.
 
 Why: at batch 1 a step is a weight stream (the projections) plus attention over the context;
 the e2e suite says how far the step is from the copy bandwidth, this says which kernel loses
 it. Per model shape:
 
-- every projection (fused qkv, o, gate_up, down, lm_head) at one row: torch's ``F.linear``
-  (cuBLAS, and cuBLASLt as ``preferred_blas_library`` picks it) against ``ops/kernels/gemv.py`` at each launch configuration of ``GEMV_CONFIGS``;
-  microseconds per call and GB/s of weight read;
+- every projection (fused qkv, o, gate_up, down, lm_head) at one row (``--rows``: also two,
+  batch 1 as the compiled forward pads it): torch's ``F.linear`` (cuBLAS, and cuBLASLt as
+  ``preferred_blas_library`` picks it) against ``ops/kernels/gemv.py`` at each launch
+  configuration of ``GEMV_CONFIGS`` (``--chosen``: ``config_for``'s only); microseconds per
+  call and GB/s of weight read;
 - the MLP's gate_up projection and SwiGLU: cuBLAS then ``silu_and_mul``, against the fused
   one-row kernel (``gemv_silu_mul_triton``);
 - decode attention of one sequence at contexts 256 and 1024: the unified kernel against the
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 
 from vgraph.ops.kernels.attention import (paged_attention_decode_split_kv_triton,
                                           paged_attention_triton)
-from vgraph.ops.kernels.gemv import GemvConfig, gemv_silu_mul_triton, gemv_triton
+from vgraph.ops.kernels.gemv import GemvConfig, config_for, gemv_silu_mul_triton, gemv_triton
 
 from .suites.decode import SHAPES
 
@@ -84,17 +87,18 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(MAX_COPIES, -(-WORKING_SET_BYTES // max(nbytes, 1))))
 
 
-def projection_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
+def projection_rows(cfg: dict, dtype: torch.dtype, m: int, sweep: bool) -> list[dict]:
+    """Each projection at ``m`` rows; ``sweep``: every ``GEMV_CONFIGS`` entry, else ``config_for``'s."""
     rows = []
     for name, n, k, has_bias in projections(cfg):
         nbytes = n * k * torch.finfo(dtype).bits // 8
         copies = copies_for(nbytes)
         weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
-        out = torch.empty(1, n, device="cuda", dtype=dtype)
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
         ref = F.linear(x, weights[0], bias)
-        row = {"name": name, "out_features": n, "in_features": k, "bias": has_bias, "copies": copies,
+        row = {"name": name, "rows": m, "out_features": n, "in_features": k, "bias": has_bias, "copies": copies,
                "weight_bytes": nbytes}
         library = [lambda w=w: torch.addmm(bias, x, w.t(), out=out) if bias is not None
                    else torch.mm(x, w.t(), out=out) for w in weights]
@@ -106,7 +110,7 @@ def projection_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
         finally:
             torch.backends.cuda.preferred_blas_library(default)
         gemv = {}
-        for config in GEMV_CONFIGS:
+        for config in (GEMV_CONFIGS if sweep else [config_for(n, k, m)]):
             got = gemv_triton(x, weights[0], bias, config)
             if not torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2):
                 raise AssertionError(f"gemv {config} disagrees with F.linear on {name}")
@@ -116,7 +120,7 @@ def projection_rows(cfg: dict, dtype: torch.dtype) -> list[dict]:
         row.update(gemv_us=gemv, gemv_best=best, gemv_best_us=gemv[best],
                    cublas_gbs=nbytes / row["cublas_us"] / 1e3, gemv_best_gbs=nbytes / gemv[best] / 1e3,
                    gemv_speedup=row["cublas_us"] / gemv[best])
-        print(f"  {name:8s} {n:6d} x {k:5d}: cublas {row['cublas_us']:8.2f} us ({row['cublas_gbs']:6.0f} GB/s)"
+        print(f"  {name:8s} {m} x {n:6d} x {k:5d}: cublas {row['cublas_us']:8.2f} us ({row['cublas_gbs']:6.0f} GB/s)"
               f"  cublaslt {row['cublaslt_us']:8.2f} us"
               f"  gemv {gemv[best]:8.2f} us ({row['gemv_best_gbs']:6.0f} GB/s, {best})"
               f"  {row['gemv_speedup']:.2f}x", flush=True)
@@ -136,7 +140,7 @@ def swiglu_rows(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor)
     got = gemv_silu_mul_triton(x, weights[0])
     if not torch.allclose(got.float(), ref.float(), atol=2e-2, rtol=2e-2):
         raise AssertionError("the fused SwiGLU kernel disagrees with cuBLAS + silu_and_mul")
-    act = torch.empty(1, d, device=x.device, dtype=x.dtype)
+    act = torch.empty(x.shape[0], d, device=x.device, dtype=x.dtype)
     unfused = graph_us([lambda w=w: silu_and_mul_triton(torch.mm(x, w.t(), out=out)) for w in weights])
     fused = graph_us([lambda w=w: gemv_silu_mul_triton(x, w, out=act) for w in weights])
     print(f"  swiglu   cublas + silu_and_mul {unfused:8.2f} us  fused gemv {fused:8.2f} us  {unfused / fused:.2f}x",
@@ -181,6 +185,8 @@ def attention_rows(cfg: dict, dtype: torch.dtype, layers: int) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.decode_kernels_ab")
     parser.add_argument("--shapes", default="llama3-8b,qwen2.5-0.5b")
+    parser.add_argument("--rows", default="1", help="comma-separated row counts of the projections (1, 2)")
+    parser.add_argument("--chosen", action="store_true", help="time config_for's GEMV configuration only")
     parser.add_argument("--out", type=Path, default=Path("perf/results/decode-kernels-cuda.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
     for name in args.shapes.split(","):
         cfg = SHAPES[name]["config"]
         print(f"{name}:", flush=True)
-        result["shapes"][name] = {"projections": projection_rows(cfg, torch.bfloat16),
+        result["shapes"][name] = {"projections": [row for m in map(int, args.rows.split(","))
+                                                  for row in projection_rows(cfg, torch.bfloat16, m, not args.chosen)],
                                   "attention": attention_rows(cfg, torch.bfloat16, cfg["num_hidden_layers"])}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -18,6 +18,7 @@
 #   profile      python -m perf.profile_step (0.5B, batch 1: step vs device busy time, Python and op profiles)
 #   profile-8b   the same on the 8B shape
 #   kernels      python -m perf.decode_kernels_ab (batch-1 projections: cuBLAS vs the Triton GEMV; decode attention splits)
+#   kernels-2    the same at one and two rows (batch 1 as the compiled forward pads it), config_for's GEMV only
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
@@ -119,6 +120,8 @@ run_step() {
     profile) step profile 150 "$PY" -m perf.profile_step --out "$LOGDIR/profile" ;;
     profile-8b) step profile-8b 200 "$PY" -m perf.profile_step --shape llama3-8b --out "$LOGDIR/profile-8b" ;;
     kernels) step kernels 240 "$PY" -m perf.decode_kernels_ab ;;
+    kernels-2) step kernels-2 120 "$PY" -m perf.decode_kernels_ab --rows 1,2 --chosen \
+      --out perf/results/decode-kernels-cuda-chosen.json ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without

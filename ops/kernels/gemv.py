@@ -1,4 +1,5 @@
-"""One-row projection (``y = x @ W.T + b`` for a single row of ``x``): a decode step at batch 1.
+"""One- and two-row projections (``y = x @ W.T + b`` for one or two rows of ``x``): a decode
+step at batch 1 (which the compiled forward pads to two rows, ``COMPILED_MIN_ROWS``) or 2.
 
 Why a kernel of its own: at one row a projection is a pure weight stream (every weight byte
 is read once and used for one multiply-add), so its speed is the fraction of DRAM bandwidth
@@ -7,7 +8,8 @@ for this case; which one it picks, and how close it gets, depends on the shape. 
 is the plain shape of the problem: program ``i`` owns ``BLOCK_N`` output features, walks
 their rows of ``W`` ``BLOCK_K`` elements at a time (each row contiguous: coalesced 16-byte
 loads), multiplies by the matching slice of ``x`` in fp32, and reduces across K once at the
-end (the accumulator is a [BLOCK_N, BLOCK_K] tile, so the loop carries no reduction).
+end (the accumulator is a [BLOCK_N, BLOCK_K] tile, so the loop carries no reduction). A
+second row keeps a second accumulator and reuses each weight tile: the weight is read once.
 
 Measured (``python -m perf.decode_kernels_ab``, one H200, bf16, working sets past L2): against
 cuBLAS at one row it took a Llama-3-8B layer's four projections from 121.5 to 108.9 us (qkv
@@ -32,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import GEMV_MAX_ROWS
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -41,96 +45,124 @@ class GemvConfig:
     num_stages: int = 3
 
 
-def config_for(out_features: int, in_features: int) -> GemvConfig:
-    """The launch configuration for a weight of this shape (module doc: how it was chosen)."""
+def config_for(out_features: int, in_features: int, rows: int = 1) -> GemvConfig:
+    """The launch configuration for a weight of this shape (module doc: how it was chosen).
+    Two rows keep two accumulators: the long-row tile (16 x 1024, 8 warps) takes half the
+    rows per program there, or it would take 236 registers a thread (ptxas, sm_90)."""
     if out_features >= 8192:
         return GemvConfig(block_n=16, block_k=256, num_warps=4)
     if in_features >= 8192:
-        return GemvConfig(block_n=16, block_k=1024, num_warps=8)
+        return GemvConfig(block_n=16 // rows, block_k=1024, num_warps=8)
     if out_features >= 4096:
         return GemvConfig(block_n=8, block_k=512, num_warps=4)
     return GemvConfig(block_n=4, block_k=1024, num_warps=4)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def _load_x(x_ptr, k, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(x_ptr + k).to(tl.float32)[None, :]
+    return tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _load_w(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptr + rows[:, None] + k[None, :]).to(tl.float32)
+    return tl.load(w_ptr + rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_ym,
+                 HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn  # clamped: no mask on W loads
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if TWO_ROWS:
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + offs_k
-        if EVEN_K:
-            w = tl.load(w_ptr + rows[:, None] + k[None, :])
-            x = tl.load(x_ptr + k)
-        else:
-            w = tl.load(w_ptr + rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+        w = _load_w(w_ptr, rows, k, K, EVEN_K)
+        acc0 += w * _load_x(x_ptr, k, K, EVEN_K)
+        if TWO_ROWS:  # the second row reuses the weight tile: the weight is read once
+            acc1 += w * _load_x(x_ptr + stride_xm, k, K, EVEN_K)
+    bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + offs_n, (tl.sum(acc0, axis=1) + bias).to(out_ty), mask=n_mask)
+    if TWO_ROWS:
+        tl.store(y_ptr + stride_ym + offs_n, (tl.sum(acc1, axis=1) + bias).to(out_ty), mask=n_mask)
 
 
 @triton.jit
-def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr):
+def _swiglu(gate, up, out_ty: tl.constexpr):
+    gate = gate.to(out_ty).to(tl.float32)  # rounded as the unfused projection's output is
+    up = up.to(out_ty).to(tl.float32)
+    return (gate / (1.0 + tl.exp(-gate)) * up).to(out_ty)
+
+
+@triton.jit
+def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_ym,
+                          HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # N: the activation's width
     n_mask = offs_n < N
     feature = tl.where(n_mask, offs_n, 0).to(tl.int64)
     gate_rows = feature * stride_wn
     up_rows = (feature + N) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if TWO_ROWS:
+        gate1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        up1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + offs_k
-        if EVEN_K:
-            w_gate = tl.load(w_ptr + gate_rows[:, None] + k[None, :])
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :])
-            x = tl.load(x_ptr + k)
-        else:
-            w_gate = tl.load(w_ptr + gate_rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
-            w_up = tl.load(w_ptr + up_rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-        xf = x.to(tl.float32)[None, :]
-        acc_gate += w_gate.to(tl.float32) * xf
-        acc_up += w_up.to(tl.float32) * xf
-    gate = tl.sum(acc_gate, axis=1)
-    up = tl.sum(acc_up, axis=1)
+        w_gate = _load_w(w_ptr, gate_rows, k, K, EVEN_K)
+        w_up = _load_w(w_ptr, up_rows, k, K, EVEN_K)
+        x0 = _load_x(x_ptr, k, K, EVEN_K)
+        gate0 += w_gate * x0
+        up0 += w_up * x0
+        if TWO_ROWS:
+            x1 = _load_x(x_ptr + stride_xm, k, K, EVEN_K)
+            gate1 += w_gate * x1
+            up1 += w_up * x1
+    gate_bias = tl.zeros([BLOCK_N], tl.float32)
+    up_bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
-        gate += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        up += tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        gate_bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        up_bias = tl.load(b_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
-    gate = gate.to(out_ty).to(tl.float32)  # rounded as the unfused projection's output is
-    up = up.to(out_ty).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(y_ptr + offs_n, y.to(out_ty), mask=n_mask)
+    tl.store(y_ptr + offs_n, _swiglu(tl.sum(gate0, axis=1) + gate_bias, tl.sum(up0, axis=1) + up_bias, out_ty),
+             mask=n_mask)
+    if TWO_ROWS:
+        tl.store(y_ptr + stride_ym + offs_n,
+                 _swiglu(tl.sum(gate1, axis=1) + gate_bias, tl.sum(up1, axis=1) + up_bias, out_ty), mask=n_mask)
 
 
-def _check_one_row(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"gemv wants x [1, K] and weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
+def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if (x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS or weight.dim() != 2
+            or x.shape[1] != weight.shape[1]):
+        raise ValueError(f"gemv wants x [1 or 2, K] and weight [N, K]; got {tuple(x.shape)}, {tuple(weight.shape)}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError("gemv wants a weight and an x contiguous along K")
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 config: Optional[GemvConfig] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [1, K] @ weight[N, K].T (+ bias[N])`` -> ``[1, N]`` in x's dtype; ``config``
-    defaults to ``config_for`` the weight's shape."""
-    _check_one_row(x, weight)
+    """``x [M, K] @ weight[N, K].T (+ bias[N])`` -> ``[M, N]`` in x's dtype, M = 1 or 2;
+    ``config`` defaults to ``config_for`` the weight's shape."""
+    _check_rows(x, weight)
     n, k = weight.shape
-    config = config or config_for(n, k)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    config = config or config_for(n, k, x.shape[0])
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, y, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, weight if bias is None else bias, y, n, k, weight.stride(0), x.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return y
 
@@ -138,20 +170,20 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def gemv_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                          config: Optional[GemvConfig] = None,
                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``silu(g) * u`` where ``[g | u] = x [1, K] @ weight[2d, K].T (+ bias[2d])`` -> ``[1, d]``.
+    """``silu(g) * u`` where ``[g | u] = x [M, K] @ weight[2d, K].T (+ bias[2d])`` -> ``[M, d]``.
     ``config`` defaults to ``config_for`` the stacked weight, with half its rows per program
     (each program reads a gate row and an up row per feature)."""
-    _check_one_row(x, weight)
+    _check_rows(x, weight)
     rows, k = weight.shape
     if rows % 2:
         raise ValueError(f"a [gate | up] weight has an even row count; got {rows}")
     d = rows // 2
     if config is None:
-        stacked = config_for(rows, k)
+        stacked = config_for(rows, k, x.shape[0])
         config = GemvConfig(max(stacked.block_n // 2, 2), stacked.block_k, stacked.num_warps, stacked.num_stages)
-    y = torch.empty((1, d), dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device) if out is None else out
     _gemv_silu_mul_kernel[(triton.cdiv(d, config.block_n),)](
-        x, weight, weight if bias is None else bias, y, d, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        x, weight, weight if bias is None else bias, y, d, k, weight.stride(0), x.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return y

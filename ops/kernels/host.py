@@ -10,6 +10,10 @@ import math
 
 import torch
 
+# Rows up to which a 16-bit CUDA projection takes the GEMV kernel (ops/kernels/gemv.py): batch
+# 1 reaches the compiled forward padded to two rows (config.COMPILED_MIN_ROWS).
+GEMV_MAX_ROWS = 2
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # A dynamic scale never goes below this, so an all-zero row quantizes to zeros, not NaNs.

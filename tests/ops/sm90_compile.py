@@ -173,13 +173,15 @@ def _gemv_cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
     bf16, out = torch.bfloat16, []
     for n, k, bias in [(6144, 4096, False), (4096, 4096, False), (28672, 4096, False), (4096, 14336, False),
                        (1152, 896, True)]:
-        x, w = torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
-        b = torch.empty(n, dtype=bf16) if bias else None
-        out.append((f"gemv {n}x{k}", gemv, ["_gemv_kernel"], lambda x=x, w=w, b=b: gemv.gemv_triton(x, w, b)))
+        for rows in (1, 2):
+            x, w = torch.empty(rows, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+            b = torch.empty(n, dtype=bf16) if bias else None
+            out.append((f"gemv {rows}x{n}x{k}", gemv, ["_gemv_kernel"], lambda x=x, w=w, b=b: gemv.gemv_triton(x, w, b)))
     for n, k in [(28672, 4096), (9728, 896)]:
-        x, w = torch.empty(1, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
-        out.append((f"gemv+silu {n}x{k}", gemv, ["_gemv_silu_mul_kernel"],
-                    lambda x=x, w=w: gemv.gemv_silu_mul_triton(x, w)))
+        for rows in (1, 2):
+            x, w = torch.empty(rows, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+            out.append((f"gemv+silu {rows}x{n}x{k}", gemv, ["_gemv_silu_mul_kernel"],
+                        lambda x=x, w=w: gemv.gemv_silu_mul_triton(x, w)))
     return out
 
 

@@ -11,12 +11,13 @@ from vgraph.ops.kernels.gemv import GemvConfig, config_for, gemv_silu_mul_triton
 
 # Small shapes through each launch configuration config_for can pick: rows that do not fill
 # the last program, K that does and does not divide the block.
-CONFIGS = [GemvConfig(16, 256, 4), GemvConfig(16, 1024, 8), GemvConfig(8, 512, 4), GemvConfig(4, 1024, 4)]
+CONFIGS = [GemvConfig(16, 256, 4), GemvConfig(16, 1024, 8), GemvConfig(8, 1024, 8), GemvConfig(8, 512, 4),
+           GemvConfig(4, 1024, 4)]
 SHAPES = [(37, 300), (64, 1024), (20, 512 + 96)]
 
 
-def _case(n: int, k: int, device: str, dtype: torch.dtype, bias: bool):
-    x = torch.randn(1, k, dtype=dtype)
+def _case(n: int, k: int, device: str, dtype: torch.dtype, bias: bool, rows: int = 1):
+    x = torch.randn(rows, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype) / k ** 0.5
     b = torch.randn(n, dtype=dtype) if bias else None
     on = lambda t: None if t is None else t.to(device)  # noqa: E731
@@ -26,19 +27,21 @@ def _case(n: int, k: int, device: str, dtype: torch.dtype, bias: bool):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"n{c.block_n}k{c.block_k}w{c.num_warps}")
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_f_linear(kernel_device, config, n, k, bias):
-    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gemv_matches_f_linear(kernel_device, config, n, k, bias, rows):
+    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias, rows)
     got = gemv_triton(*args, config=config)
     torch.testing.assert_close(got.cpu(), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("config", CONFIGS[2:], ids=lambda c: f"n{c.block_n}k{c.block_k}w{c.num_warps}")
+@pytest.mark.parametrize("config", CONFIGS[3:], ids=lambda c: f"n{c.block_n}k{c.block_k}w{c.num_warps}")
 @pytest.mark.parametrize("n,k", [(38, 300), (64, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_swiglu_matches_projection_then_activation(kernel_device, config, n, k, bias):
-    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_swiglu_matches_projection_then_activation(kernel_device, config, n, k, bias, rows):
+    (x, w, b), args = _case(n, k, kernel_device, torch.float32, bias, rows)
     got = gemv_silu_mul_triton(*args, config=config)
-    assert got.shape == (1, n // 2)
+    assert got.shape == (rows, n // 2)
     torch.testing.assert_close(got.cpu(), dense_linear.linear_silu_and_mul_reference(x, w, b), atol=1e-4, rtol=1e-4)
 
 
@@ -55,6 +58,7 @@ def test_bf16_rounds_the_projection_as_the_unfused_pair_does(kernel_device):
 def test_config_for_each_branch():
     assert config_for(28672, 4096) == GemvConfig(16, 256, 4)     # many rows: gate_up, heads
     assert config_for(4096, 14336) == GemvConfig(16, 1024, 8)    # long rows: down
+    assert config_for(4096, 14336, rows=2) == GemvConfig(8, 1024, 8)  # two accumulators: half the rows
     assert config_for(6144, 4096) == GemvConfig(8, 512, 4)       # qkv, o of an 8B
     assert config_for(1152, 896) == GemvConfig(4, 1024, 4)       # a 0.5B's small projections
 
@@ -62,7 +66,8 @@ def test_config_for_each_branch():
 @pytest.mark.parametrize("shape,dtype,expected", [
     ((1, 64), torch.bfloat16, True),
     ((1, 64), torch.float16, True),
-    ((2, 64), torch.bfloat16, False),     # a batch: the library
+    ((2, 64), torch.bfloat16, True),      # batch 1 as the compiled forward pads it
+    ((3, 64), torch.bfloat16, False),     # a batch: the library
     ((1, 64), torch.float32, False),      # fp32: the library (the kernel was measured at 16 bits)
 ])
 def test_which_calls_take_the_kernel(shape, dtype, expected):
@@ -92,6 +97,11 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.vgraph.linear_silu_and_mul.default, (x, w, None))
 
 
+def test_the_kernels_refuse_a_batch():
+    with pytest.raises(ValueError, match="1 or 2"):
+        gemv_triton(torch.randn(3, 8), torch.randn(4, 8))
+
+
 def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="weight"):
         torch.ops.vgraph.linear(torch.randn(1, 8), torch.randn(4, 9), None)
@@ -101,9 +111,9 @@ def test_bad_shapes_raise():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4])
 def test_cuda_ops_agree_with_the_library(rows):
-    """On the GPU, one row takes the kernel and more rows the library; both agree with it."""
+    """On the GPU, one or two rows take the kernel and more rows the library; both agree with it."""
     x = torch.randn(rows, 896, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1152, 896, device="cuda", dtype=torch.bfloat16) / 30
     b = torch.randn(1152, device="cuda", dtype=torch.bfloat16)
