@@ -1,19 +1,26 @@
 """``vgraph::linear`` and ``vgraph::linear_silu_and_mul``: a model's 16-bit projections on CUDA.
 
-Why ops of their own: a batch-1 decode step is a weight stream, and there torch's GEMM
-library reached 2.4-3.9 TB/s on an H200's 8B-shaped projections and 0.3-2.4 TB/s on the
-0.5B-shaped ones, where vgraph's one-row kernel (ops/kernels/gemv.py) reached 3.3-4.2 and
-0.6-2.6 (``python -m perf.decode_kernels_ab``). So a call with one or two rows of a bf16/fp16
-weight takes the GEMV kernel (batch 1 reaches the compiled forward padded to two rows), and every other call (prefill, a batch of decode rows, fp32, CPU) is
-``F.linear`` as before. Which one runs is decided per call from the row count, so one compiled
-graph serves both: the batch-1 and -2 FULL CUDA graphs capture the GEMV, larger buckets the library.
+Why ops of their own: a batch-1 decode step is a weight stream, and at one row torch's GEMM
+library reached 2.5-4.2 TB/s on an H200's 8B-shaped projections and 0.3-2.4 TB/s on the
+0.5B-shaped ones, where vgraph's GEMV kernel (ops/kernels/gemv.py) reached 3.1-4.2 and
+0.6-2.6 (``python -m perf.decode_kernels_ab``: results/decode-kernels-cuda*.json). Which one
+runs is decided per call from its shape (``takes_gemv``), so one compiled graph serves every
+batch: a FULL CUDA graph captures whichever its bucket's rows take.
 
-``linear_silu_and_mul`` is a [gate | up] projection followed by SwiGLU; at one or two rows both
-come out of one kernel (the activation kernel and the [M, 2d] intermediate disappear), otherwise it
-is ``F.linear`` then ``vgraph::silu_and_mul``.
+- One row (an eager batch-1 step, a 16-bit projection outside the compiled forward): the
+  kernel, for every projection but a head.
+- Two rows (batch 1 as the compiled forward pads it, ``COMPILED_MIN_ROWS``, or batch 2): the
+  kernel only for small weights (fewer than ``TWO_ROW_MAX_OUT`` rows of fewer than
+  ``TWO_ROW_MAX_IN``). Its second accumulator doubles the registers, and on the 8B shapes it
+  lost to the library (qkv 0.83x, gate_up 0.82x, down 0.84x, o 1.13x) while on the 0.5B's
+  qkv, o and down it won (1.44x, 1.59x, 1.31x); gate_up, 9728 rows, lost (0.75x).
+- Anything else (prefill, larger decode batches, fp32, heads of >= ``LIBRARY_FROM_ROWS`` rows,
+  where the two were within 5%): ``F.linear`` as before.
 
-Heads (>= ``LIBRARY_FROM_ROWS`` output rows) stay with the library: at 128k-152k rows the two
-were within 3% of each other, either way.
+``linear_silu_and_mul`` is a [gate | up] projection followed by SwiGLU. Where its stacked
+weight takes the kernel, both come out of one kernel (the activation kernel and the [M, 2d]
+intermediate disappear: 8B 62.1 -> 57.4 us, 0.5B 10.4 -> 6.9 us at one row); otherwise it is
+``F.linear`` then ``vgraph::silu_and_mul``.
 """
 from __future__ import annotations
 
@@ -29,17 +36,23 @@ from .registration import vgraph_op
 
 kernels = lazy("gemv")
 
-ONE_ROW_DTYPES = (torch.bfloat16, torch.float16)
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
 LIBRARY_FROM_ROWS = 65536
+TWO_ROW_MAX_OUT = 4096
+TWO_ROW_MAX_IN = 8192
 
 
-def one_row_kernel(x: Tensor, weight: Tensor) -> bool:
-    """Does this call take the GEMV kernel (on CUDA)? One or two rows (a batch-1 step of the
-    compiled forward has two: ``COMPILED_MIN_ROWS``) of a 16-bit weight, both contiguous along
-    K, and not a vocabulary-sized head."""
-    return (x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS and weight.dtype in ONE_ROW_DTYPES
-            and x.dtype == weight.dtype
-            and weight.shape[0] < LIBRARY_FROM_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1)
+def takes_gemv(x: Tensor, weight: Tensor) -> bool:
+    """Does this call run vgraph's GEMV kernel (on CUDA)? See the module doc for the rule and
+    the measurements behind it."""
+    if (x.dim() != 2 or weight.dtype not in GEMV_DTYPES or x.dtype != weight.dtype
+            or weight.shape[0] >= LIBRARY_FROM_ROWS or x.stride(-1) != 1 or weight.stride(-1) != 1):
+        return False
+    rows = x.shape[0]
+    if rows == 1:
+        return True
+    return (rows == GEMV_MAX_ROWS and weight.shape[0] < TWO_ROW_MAX_OUT
+            and weight.shape[1] < TWO_ROW_MAX_IN)
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
@@ -70,7 +83,7 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 
 @linear.register_kernel("cuda")
 def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    if one_row_kernel(x, weight):
+    if takes_gemv(x, weight):
         return kernels.gemv_triton(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -97,6 +110,6 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 @linear_silu_and_mul.register_kernel("cuda")
 def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     _check(x, weight, bias)
-    if one_row_kernel(x, weight):
+    if takes_gemv(x, weight):
         return kernels.gemv_silu_mul_triton(x, weight, bias)
     return torch.ops.vgraph.silu_and_mul(F.linear(x, weight, bias))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -182,6 +183,28 @@ def attention_rows(cfg: dict, dtype: torch.dtype, layers: int) -> list[dict]:
     return rows
 
 
+def summary_rows(result: dict) -> list[dict]:
+    """One flat row per projection (and row count) and per attention context: what the docs'
+    results page tabulates."""
+    rows = []
+    for shape, found in result["shapes"].items():
+        for p in found["projections"]:
+            rows.append({"shape": shape, "kernel": p["name"], "rows": p.get("rows", 1),
+                         "cublas_us": p["cublas_us"], "gemv_us": p["gemv_best_us"], "gemv_config": p["gemv_best"],
+                         "gemv_speedup": p["gemv_speedup"]})
+            if "swiglu_fused_us" in p:
+                rows.append({"shape": shape, "kernel": "gate_up+swiglu", "rows": p.get("rows", 1),
+                             "cublas_us": p["swiglu_unfused_us"], "gemv_us": p["swiglu_fused_us"],
+                             "gemv_config": "fused", "gemv_speedup": p["swiglu_unfused_us"] / p["swiglu_fused_us"]})
+        for a in found["attention"]:
+            splits = {int(k[5:-3]): v for k, v in a.items() if k.startswith("split") and k.endswith("_us")}
+            best = min(splits, key=splits.get)
+            rows.append({"shape": shape, "kernel": f"attention, {a['context']} keys", "rows": 1,
+                         "unified_us": a["unified_us"], "best_split": best, "split_us": splits[best],
+                         "split_speedup": a["unified_us"] / splits[best]})
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m perf.decode_kernels_ab")
     parser.add_argument("--shapes", default="llama3-8b,qwen2.5-0.5b")
@@ -191,13 +214,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("perf.decode_kernels_ab times CUDA kernels: no CUDA device here")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {},
+              "machine": {"device": "cuda", "gpu": torch.cuda.get_device_name(),
+                          "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
     for name in args.shapes.split(","):
         cfg = SHAPES[name]["config"]
         print(f"{name}:", flush=True)
         result["shapes"][name] = {"projections": [row for m in map(int, args.rows.split(","))
                                                   for row in projection_rows(cfg, torch.bfloat16, m, not args.chosen)],
                                   "attention": attention_rows(cfg, torch.bfloat16, cfg["num_hidden_layers"])}
+        result["rows"] = summary_rows(result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     return 0

@@ -20,11 +20,15 @@ from .__main__ import SUITES
 from .timing import RESULTS_DIR
 
 # Results written by a stand-alone A/B script rather than a suite: name prefix -> its command.
-_SCRIPTS = {"prefill-attention": "python -m perf.prefill_attention_ab"}
+_SCRIPTS = {"prefill-attention": "python -m perf.prefill_attention_ab",
+            "decode-kernels": "python -m perf.decode_kernels_ab"}
 
 
 def suite_of(name: str) -> Optional[str]:
-    """The suite a results file belongs to, from its name (``<suite>-<device>[-suffix]``)."""
+    """The suite a results file belongs to, from its name (``<suite>-<device>[-suffix]``);
+    None for a stand-alone script's file (``_SCRIPTS``)."""
+    if any(name.startswith(prefix) for prefix in _SCRIPTS):
+        return None
     for suite in sorted(SUITES, key=len, reverse=True):  # "serving-dp-cpu" is serving-dp's, not serving's
         if name.startswith(suite + "-"):
             return suite
@@ -112,6 +116,8 @@ def _flatten(row: dict, prefix: str = "") -> dict:
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
     return _number(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 

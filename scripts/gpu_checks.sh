@@ -121,7 +121,7 @@ run_step() {
     profile-8b) step profile-8b 200 "$PY" -m perf.profile_step --shape llama3-8b --out "$LOGDIR/profile-8b" ;;
     kernels) step kernels 240 "$PY" -m perf.decode_kernels_ab ;;
     kernels-2) step kernels-2 120 "$PY" -m perf.decode_kernels_ab --rows 1,2 --chosen \
-      --out perf/results/decode-kernels-cuda-chosen.json ;;
+      --out perf/results/decode-kernels-cuda-rows2.json ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without

@@ -17,7 +17,9 @@ cuBLAS at one row it took a Llama-3-8B layer's four projections from 121.5 to 10
 Qwen2.5-0.5B layer's from 24.3 to 17.3 us (small shapes gain most: cuBLAS spent 4.5 us on a
 2 MB qkv). ``config_for`` is the launch configuration that was within 3% of the best of 18 on
 every one of those shapes; the lm_head-sized ones (>= 128k rows) were a tie, and stay with
-the library.
+the library. At two rows the same tiles hold twice the accumulators (128 registers a thread
+instead of 79) and lost to cuBLAS on the 8B shapes (0.82-0.84x but o, 1.13x) while still
+winning on the 0.5B's small ones (1.31-1.59x): ops/dense_linear.py routes by that.
 
 Fused SwiGLU (``gemv_silu_mul_triton``): the gate and up halves of a stacked [gate | up]
 weight are read by the same program (feature j's rows j and j + d), and the program writes

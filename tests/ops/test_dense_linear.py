@@ -63,23 +63,28 @@ def test_config_for_each_branch():
     assert config_for(1152, 896) == GemvConfig(4, 1024, 4)       # a 0.5B's small projections
 
 
-@pytest.mark.parametrize("shape,dtype,expected", [
-    ((1, 64), torch.bfloat16, True),
-    ((1, 64), torch.float16, True),
-    ((2, 64), torch.bfloat16, True),      # batch 1 as the compiled forward pads it
-    ((3, 64), torch.bfloat16, False),     # a batch: the library
-    ((1, 64), torch.float32, False),      # fp32: the library (the kernel was measured at 16 bits)
+@pytest.mark.parametrize("rows,weight,dtype,expected", [
+    (1, (96, 64), torch.bfloat16, True),
+    (1, (96, 64), torch.float16, True),
+    (1, (28672, 4096), torch.bfloat16, True),     # one row: every projection
+    (2, (1152, 896), torch.bfloat16, True),       # two rows (batch 1, compiled): small weights
+    (2, (896, 4864), torch.bfloat16, True),
+    (2, (6144, 4096), torch.bfloat16, False),     # ... not an 8B's: the library won there
+    (2, (896, 8192), torch.bfloat16, False),
+    (3, (96, 64), torch.bfloat16, False),         # a batch: the library
+    (1, (96, 64), torch.float32, False),          # fp32: the library (the kernel was measured at 16 bits)
 ])
-def test_which_calls_take_the_kernel(shape, dtype, expected):
-    assert dense_linear.one_row_kernel(torch.zeros(shape, dtype=dtype), torch.zeros(96, 64, dtype=dtype)) is expected
+def test_which_calls_take_the_kernel(rows, weight, dtype, expected):
+    x, w = torch.zeros(rows, weight[1], dtype=dtype, device="meta"), torch.zeros(weight, dtype=dtype, device="meta")
+    assert dense_linear.takes_gemv(x, w) is expected
 
 
 def test_heads_and_strided_rows_stay_with_the_library():
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    head = torch.zeros(dense_linear.LIBRARY_FROM_ROWS, 64, dtype=torch.bfloat16)
-    assert not dense_linear.one_row_kernel(x, head)
-    assert not dense_linear.one_row_kernel(torch.zeros(1, 128, dtype=torch.bfloat16)[:, ::2],
-                                           torch.zeros(96, 64, dtype=torch.bfloat16))
+    x = torch.zeros(1, 64, dtype=torch.bfloat16, device="meta")
+    head = torch.zeros(dense_linear.LIBRARY_FROM_ROWS, 64, dtype=torch.bfloat16, device="meta")
+    assert not dense_linear.takes_gemv(x, head)
+    assert not dense_linear.takes_gemv(torch.zeros(1, 128, dtype=torch.bfloat16)[:, ::2],
+                                       torch.zeros(96, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [1, 3])
