@@ -161,12 +161,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     _check_rows(x, weight)
     n, k = weight.shape
     config = config or config_for(n, k, x.shape[0])
-    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device) if out is None else out
-    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, y, n, k, weight.stride(0), x.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
-    return y
+    return _launch(_gemv_kernel, x, weight, bias, n, config, out)
 
 
 def gemv_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -183,9 +178,16 @@ def gemv_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if config is None:
         stacked = config_for(rows, k, x.shape[0])
         config = GemvConfig(max(stacked.block_n // 2, 2), stacked.block_k, stacked.num_warps, stacked.num_stages)
-    y = torch.empty((x.shape[0], d), dtype=x.dtype, device=x.device) if out is None else out
-    _gemv_silu_mul_kernel[(triton.cdiv(d, config.block_n),)](
-        x, weight, weight if bias is None else bias, y, d, k, weight.stride(0), x.stride(0), y.stride(0),
+    return _launch(_gemv_silu_mul_kernel, x, weight, bias, d, config, out)
+
+
+def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], width: int,
+            config: GemvConfig, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Either kernel over ``width`` outputs a row (a program per ``config.block_n`` of them)."""
+    k = weight.shape[1]
+    y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device) if out is None else out
+    kernel[(triton.cdiv(width, config.block_n),)](
+        x, weight, weight if bias is None else bias, y, width, k, weight.stride(0), x.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
     return y

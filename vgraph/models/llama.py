@@ -289,8 +289,8 @@ class MLP(nn.Module):
         return all_reduce(down, self.tp)
 
     def _fuses_projection(self) -> bool:
-        """A plain 16-bit [gate | up] projection on CUDA with no adapter runs with its
-        activation as one op (one kernel at a batch-1 decode step: ops/dense_linear.py). Not
+        """A plain [gate | up] projection on CUDA with no adapter runs with its activation as
+        one op, which is one kernel where the GEMV takes the call (ops/dense_linear.py). Not
         when fp8 (the quant passes fuse the activation with the next layer's input quant)."""
         proj = self.gate_up_proj
         return self.gate_up_lora is None and type(proj) is MergedLinear and proj.custom_op and proj.weight.is_cuda
