@@ -129,7 +129,31 @@ def bench(bin_dir: Path, server: Server, checkpoint: str, num_prompts: int, seed
                                f"{proc.stderr[-2000:]}")
         raw = json.loads((Path(tmp) / "out.json").read_text())
     return {**{m: raw.get(m) for m in METRICS}, "completed": raw.get("completed"), "seed": seed,
-            "load_avg_before": load, "load_avg_after": os.getloadavg(), "itls_ms": _itls(raw)}
+            "load_avg_before": load, "load_avg_after": os.getloadavg(), "itls_ms": _itls(raw),
+            "tokens_per_event": _tokens_per_event(raw)}
+
+
+def _tokens_per_event(raw: dict) -> Optional[float]:
+    """Output tokens per streamed chunk: 1.0 when every step's tokens reached the client as an
+    event of their own; above it, chunks carried several steps' tokens and an ITL gap spans
+    them (so a high ITL p99 is the server batching events, not slow steps)."""
+    itls, lens = raw.get("itls") or [], raw.get("output_lens") or []
+    chunks = sum(len(gaps) + 1 for gaps, n in zip(itls, lens) if n)
+    return sum(lens) / chunks if chunks else None
+
+
+def gap_shape(itls_ms: list[float]) -> dict[str, float]:
+    """The fractions of gaps at about one median step (<= 1.25x the median gap), at one and a
+    half (to 1.75x), about two (to 2.5x) and beyond: where an ITL p99 of 2x comes from."""
+    if not itls_ms:
+        return {}
+    med = statistics.median(itls_ms)
+    edges = [("le_1_25x", 1.25), ("le_1_75x", 1.75), ("le_2_5x", 2.5), ("above", float("inf"))]
+    out, low = {}, 0.0
+    for name, high in edges:
+        out[name] = sum(low * med < g <= high * med for g in itls_ms) / len(itls_ms)
+        low = high
+    return out
 
 
 def _itls(raw: dict) -> list[float]:
@@ -189,6 +213,9 @@ def summary_of(server: Server) -> dict:
     itls = sorted(g for r in server.runs for g in r["itls_ms"])
     med["itl_over_100ms_fraction"] = sum(g > 100 for g in itls) / max(1, len(itls))
     med["itl_p99_over_tpot_p50"] = med["p99_itl_ms"] / med["median_tpot_ms"]
+    med["gaps_by_median_multiple"] = gap_shape(itls)
+    per_event = [r["tokens_per_event"] for r in server.runs if r.get("tokens_per_event")]
+    med["tokens_per_event"] = statistics.median(per_event) if per_event else None
     return med
 
 
@@ -239,6 +266,11 @@ def summarize(result: dict) -> str:
         lines.append(f"{name:14s} {m['request_throughput']:6.2f} {m['median_tpot_ms']:8.1f} {m['median_itl_ms']:8.1f} "
                      f"{m['p99_itl_ms']:8.1f} {m['median_ttft_ms']:8.0f} {m['p99_ttft_ms']:8.0f}  "
                      f"{100 * m['itl_over_100ms_fraction']:.1f}%")
+        shape = m.get("gaps_by_median_multiple")
+        if shape:
+            lines.append(f"{'':14s} gaps by multiple of the median: " + ", ".join(
+                f"{k.replace('le_', '<=').replace('_', '.')} {100 * v:.1f}%" for k, v in shape.items())
+                + (f"; {m['tokens_per_event']:.3f} tokens per event" if m.get("tokens_per_event") else ""))
     lines.append(f"targets: {json.dumps(result['targets'])}")
     lines.append("(medians over rounds; ms; vllm bench serve random 128 in / 64 out, 64 prompts, concurrency 16)")
     return "\n".join(lines)
