@@ -138,7 +138,7 @@ class SamplingMetadata:
         return cls(
             vocab_size=vocab_size,
             temperature=device_tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)],
-                                torch.float32, device),
+                                      torch.float32, device),
             greedy=device_tensor(greedy, torch.bool, device),
             all_greedy=all(greedy),
             all_random=not any(greedy),
