@@ -1,6 +1,8 @@
-"""``python -m perf.generate_ab [--base REV] [--rounds N] [--tokens N] [--batch B]``: the demo
-model's ``LLM.generate`` (one 16-token prompt per sequence, greedy, ``--tokens`` new tokens) of
-this checkout against git revision REV, in alternating child processes.
+"""``python -m perf.generate_ab [--base REV] [--rounds N] [--tokens N] [--batch B] [--model M]
+[--prompt-len N]``: ``LLM.generate`` of the demo model (or ``--model``: a checkpoint directory,
+e.g. the served CPU perf model, ``~/.cache/vgraph/perf-peers/checkpoints/llama-24m``; one
+``--prompt-len``-token prompt per sequence, greedy, ``--tokens`` new tokens) of this checkout
+against git revision REV, in alternating child processes.
 
 Why a separate tool: issue 33's batch-1 target is a ratio against the code as it was, and a
 shared machine drifts by more than the gain in a few minutes, so the two run in turns (A B B A
@@ -26,10 +28,11 @@ PROMPT_LEN = 16
 CHILD = """
 import json, sys, time
 from vgraph import LLM, SamplingParams
-batch, tokens, repeats = (int(a) for a in sys.argv[1:4])
-llm = LLM("demo-model-v1", device="cpu", max_num_seqs=max(8, batch), max_model_len=512, cpu_kv_cache_gib=0.5)
+batch, tokens, repeats, prompt_len = (int(a) for a in sys.argv[1:5])
+llm = LLM(sys.argv[5], device="cpu", max_num_seqs=max(8, batch), max_model_len=512, cpu_kv_cache_gib=0.5)
+vocab = llm.engine.vocab_size
 params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-prompts = [[10 + (i * 7 + j) % 3000 for j in range(PROMPT_LEN)] for i in range(batch)]
+prompts = [[10 + (i * 7 + j) % (vocab - 10) for j in range(prompt_len)] for i in range(batch)]
 best, ids = float("inf"), None
 for _ in range(repeats):
     start = time.perf_counter()
@@ -37,7 +40,7 @@ for _ in range(repeats):
     best = min(best, time.perf_counter() - start)
     ids = [o.outputs[0].token_ids for o in outputs]
 print(json.dumps({"seconds": best, "tok_s": batch * tokens / best, "ids": ids}))
-""".replace("PROMPT_LEN", str(PROMPT_LEN))
+"""
 
 
 def install(rev: str, directory: Path) -> Path:
@@ -53,10 +56,10 @@ def install(rev: str, directory: Path) -> Path:
     return target
 
 
-def run_side(pythonpath: Path, batch: int, tokens: int, repeats: int) -> dict:
+def run_side(pythonpath: Path, batch: int, tokens: int, repeats: int, prompt_len: int, model: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(pythonpath), "VGRAPH_LOGGING_LEVEL": "WARNING"}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(tokens), str(repeats)], env=env, cwd="/",
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(tokens), str(repeats), str(prompt_len), model],
+                         env=env, cwd="/", capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,6 +69,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--model", default="demo-model-v1", help="model name or checkpoint directory")
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     parser.add_argument("--repeats", type=int, default=4, help="generate calls per child (the best counts)")
     parser.add_argument("--out", type=Path, help="write the rounds and the ratio here (JSON)")
     args = parser.parse_args()
@@ -74,7 +79,8 @@ def main() -> None:
         rounds: list[dict] = []
         for r in range(args.rounds):
             order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-            row = {name: run_side(sides[name], args.batch, args.tokens, args.repeats) for name in order}
+            row = {name: run_side(sides[name], args.batch, args.tokens, args.repeats, args.prompt_len, args.model)
+                   for name in order}
             if row["base"]["ids"] != row["this"]["ids"]:
                 raise SystemExit("the two sides generated different tokens")
             row = {name: round(v["tok_s"], 1) for name, v in row.items()} | {"load": os.getloadavg()[0]}
@@ -83,10 +89,11 @@ def main() -> None:
             rounds.append(row)
     best = {name: max(r[name] for r in rounds) for name in sides}
     ratio = best["this"] / best["base"]
-    print(f"best: base {best['base']} tok/s, this {best['this']} tok/s: {ratio:.3f}x (batch {args.batch}, "
+    print(f"best: base {best['base']} tok/s, this {best['this']} tok/s: {ratio:.3f}x ({args.model}, batch {args.batch}, "
           f"{args.tokens} tokens, base {args.base})")
     if args.out:
-        args.out.write_text(json.dumps({"base": args.base, "batch": args.batch, "tokens": args.tokens,
+        args.out.write_text(json.dumps({"base": args.base, "model": args.model, "prompt_len": args.prompt_len,
+                                        "batch": args.batch, "tokens": args.tokens,
                                         "rounds": rounds, "best_tok_s": best, "ratio": ratio}, indent=1) + "\n")
 
 

@@ -32,6 +32,8 @@
 #include <cstring>
 #include <vector>
 
+#include <omp.h>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -50,6 +52,48 @@ constexpr const char* kIsa = "avx512";
 // otherwise evict its panels between row blocks. The next pass continues each output's sum
 // from the float32 value stored in y, so the sum is the same in-order chain of FMAs.
 constexpr int64_t kDepth = 1024;
+// Rows for which the row blocks prefetch the next pass's panels (see rows_pass): from two full
+// six-row blocks to a decode batch's 64, measured 1.05-1.16x at 16-64 rows with the weights
+// in DRAM on the served CPU model's projections.
+constexpr int64_t kPrefetchRows = 2 * kTileRows, kPrefetchMaxRows = 64;
+
+// Lines a tile fetches into L2 for later while it computes: lines [first, last) of a region
+// of `panels` panels from `start` (`stride` floats apart), `depth` 64-byte lines (k steps)
+// each, walked panel by panel. The tile issues them evenly over its own k steps.
+struct Prefetch {
+  const float* start = nullptr;
+  int64_t stride = 0, depth = 0;
+  int panels = 0;
+  int64_t first = 0, last = 0;
+};
+
+// Walks a Prefetch's lines at the pace of a tile's k steps (lines per step in 16.16 fixed
+// point), the address kept incrementally (no division in the k loop).
+class PrefetchWalk {
+ public:
+  PrefetchWalk(const Prefetch& ahead, int64_t steps)
+      : left_(ahead.last - ahead.first),
+        pace_(steps > 0 ? (left_ << 16) / steps + 1 : 0),
+        panel_(ahead.depth > 0 ? ahead.first / ahead.depth : 0),
+        line_(ahead.depth > 0 ? ahead.first - panel_ * ahead.depth : 0),
+        ahead_(ahead) {}
+
+  bool active() const { return left_ > 0; }
+
+  // The lines due by the end of one more k step.
+  inline void step() {
+    credit_ += pace_;
+    for (; credit_ >= (int64_t{1} << 16) && left_ > 0; credit_ -= int64_t{1} << 16, --left_) {
+      _mm_prefetch(reinterpret_cast<const char*>(ahead_.start + panel_ * ahead_.stride + line_ * kPanel),
+                   _MM_HINT_T1);
+      if (++line_ == ahead_.depth) line_ = 0, ++panel_;
+    }
+  }
+
+ private:
+  int64_t left_, pace_, panel_, line_, credit_ = 0;
+  const Prefetch& ahead_;
+};
 
 // Rows x (16 * Panels) outputs over k in [0, depth) of rows of x against Panels consecutive
 // panels: one zmm register per 16 outputs, up to 6 x 4 = 24 accumulators (independent FMA
@@ -59,9 +103,9 @@ constexpr int64_t kDepth = 1024;
 // `bias` (nullable, the last pass only) is added at the end. No software prefetch: unlike the
 // AVX2 tiles', it measured 4-15% slower at 1-64 rows (four prefetches per k step compete with
 // the four loads), with the weights in DRAM or in cache alike.
-template <int Rows, int Panels>
+template <int Rows, int Panels, bool Fetch>
 inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel_stride, int64_t depth,
-                 bool first, const float* bias, float* y, int64_t ldy, int cols) {
+                 bool first, const float* bias, float* y, int64_t ldy, int cols, const Prefetch& ahead) {
   constexpr int kAcc = Rows * Panels;
   const __mmask16 last_mask = static_cast<__mmask16>((1u << cols) - 1u);
   __m512 acc[kAcc];  // output (m, p) in acc[m * Panels + p]
@@ -73,7 +117,11 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel
       acc[m * Panels + p] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + m * ldy + p * kPanel);
     }
   }
+  PrefetchWalk walk(ahead, depth);
   for (int64_t k = 0; k < depth; ++k) {
+    if constexpr (Fetch) {
+      if (walk.active()) walk.step();
+    }
     __m512 w[Panels];
 #pragma GCC unroll 4
     for (int p = 0; p < Panels; ++p) w[p] = _mm512_loadu_ps(panels + p * panel_stride + k * kPanel);
@@ -97,31 +145,70 @@ inline void tile(const float* x, int64_t ldx, const float* panels, int64_t panel
 
 // One pass (k in [0, depth)) of rows [0, rows) against Panels panels: six-row tiles, then one
 // tile for the last one to five rows; the row blocks after the first find the panels in L2.
-template <int Panels>
+// With more than one row block, the tiles also fetch `next` (the thread's next group of panels)
+// into L2, each block its share by its rows: the first block alone streams this pass's
+// panels from DRAM and the others compute from L2, so without it the memory sat idle through
+// every block but the first, and with it DRAM streams the next group while any block computes.
+// Only kPrefetchRows to kPrefetchMaxRows rows prefetch: one row block's own loads already
+// stream at DRAM speed (software prefetches measured 4-15% slower there, see `tile`), at 7-11
+// rows the later block is too short to hide a group's fetch (0.88-1.03x), and a prefill-sized
+// call is compute-bound, its panels reused by every row block (0.92-0.97x at 2048 rows; all
+// `python -m perf.linear_ab --shapes llama-24m [--cold]`).
+template <int Panels, bool Fetch>
 void rows_pass(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride,
-               int64_t depth, bool first, const float* bias, float* y, int64_t ldy, int cols) {
+               int64_t depth, bool first, const float* bias, float* y, int64_t ldy, int cols, Prefetch next) {
+  const int64_t lines = Fetch ? next.panels * next.depth : 0;
   int64_t m = 0;
+  auto share = [&](int64_t block_rows) {  // the lines of the rows [m, m + block_rows)
+    Prefetch part = next;
+    part.first = lines * m / rows;
+    part.last = lines * (m + block_rows) / rows;
+    return part;
+  };
   for (; m + kTileRows <= rows; m += kTileRows) {
-    tile<kTileRows, Panels>(x + m * ldx, ldx, panels, panel_stride, depth, first, bias, y + m * ldy, ldy,
-                            cols);
+    tile<kTileRows, Panels, Fetch>(x + m * ldx, ldx, panels, panel_stride, depth, first, bias, y + m * ldy, ldy,
+                                   cols, share(kTileRows));
   }
   const float* xm = x + m * ldx;
   float* ym = y + m * ldy;
+  const Prefetch rest = share(rows - m);
   switch (rows - m) {
-    case 5: tile<5, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
-    case 4: tile<4, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
-    case 3: tile<3, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
-    case 2: tile<2, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
-    case 1: tile<1, Panels>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols); break;
+    case 5: tile<5, Panels, Fetch>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols, rest); break;
+    case 4: tile<4, Panels, Fetch>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols, rest); break;
+    case 3: tile<3, Panels, Fetch>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols, rest); break;
+    case 2: tile<2, Panels, Fetch>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols, rest); break;
+    case 1: tile<1, Panels, Fetch>(xm, ldx, panels, panel_stride, depth, first, bias, ym, ldy, cols, rest); break;
     default: break;
   }
 }
 
+// rows_pass with or without the prefetch of `next` (see rows_pass and kPrefetchRows).
+template <int Panels>
+void rows_pass_of(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_stride,
+                  int64_t depth, bool first, const float* bias, float* y, int64_t ldy, int cols, Prefetch next) {
+  if (next.start != nullptr && rows >= kPrefetchRows && rows <= kPrefetchMaxRows) {
+    rows_pass<Panels, true>(x, ldx, rows, panels, panel_stride, depth, first, bias, y, ldy, cols, next);
+  } else {
+    rows_pass<Panels, false>(x, ldx, rows, panels, panel_stride, depth, first, bias, y, ldy, cols, next);
+  }
+}
+
 // Rows [0, rows) of x against `count` consecutive panels (count == kGroup unless the weight
-// ends first), in passes of kDepth k steps.
+// ends first), in passes of kDepth k steps. `next`, `next_count`: the group this thread takes
+// after this one (nullable), which a single-pass group prefetches (rows_pass). A deeper K
+// prefetches nothing: each panel's next pass lies right after this one, where the hardware
+// prefetcher already streams, and the extra requests measured 0.89-0.97x (K = 1408, 16 rows).
 void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t k_size,
-                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols, const float* next,
+                 int next_count) {
   const int64_t stride = k_size * kPanel;
+  Prefetch ahead;
+  if (k_size <= kDepth && next != nullptr) {
+    ahead.start = next;
+    ahead.stride = stride;
+    ahead.depth = k_size;
+    ahead.panels = next_count;
+  }
   for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
     const int64_t depth = std::min(kDepth, k_size - k0);
     const bool first = k0 == 0, last = k0 + depth == k_size;
@@ -129,10 +216,10 @@ void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels,
     const float* xs = x + k0;
     const float* ps = panels + k0 * kPanel;
     switch (count) {
-      case 4: rows_pass<4>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
-      case 3: rows_pass<3>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
-      case 2: rows_pass<2>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
-      default: rows_pass<1>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols); break;
+      case 4: rows_pass_of<4>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols, ahead); break;
+      case 3: rows_pass_of<3>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols, ahead); break;
+      case 2: rows_pass_of<2>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols, ahead); break;
+      default: rows_pass_of<1>(xs, ldx, rows, ps, stride, depth, first, b, y, ldy, last_cols, ahead); break;
     }
   }
 }
@@ -241,8 +328,10 @@ void remainder_rows(const float* x, int64_t ldx, const float* panels, int64_t k_
 // with at least eight accumulators, spanning several panels, which re-read from cache the
 // panels the six-row tiles just streamed in. Every output is still one in-order FMA sum over
 // k, so a row's result never depends on the tile (or batch) it was computed in.
+// (`next` is unused here: these tiles prefetch the panels after their own themselves.)
 void panel_group(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t k_size,
-                 const float* bias, float* y, int64_t ldy, int count, int last_cols) {
+                 const float* bias, float* y, int64_t ldy, int count, int last_cols, const float* /*next*/,
+                 int /*next_count*/) {
   int64_t m = 0;
   for (; m + kTileRows <= rows; m += kTileRows) {
     rows_across<kTileRows, 1>(x + m * ldx, ldx, panels, k_size, bias, y + m * ldy, ldy, count, last_cols);
@@ -296,11 +385,19 @@ const char* vgraph_linear_isa() { return kIsa; }
 void vgraph_linear(const float* x, int64_t ldx, int64_t m, int64_t k, const float* packed,
                    int64_t n, const float* bias, float* y, int64_t ldy, int32_t num_threads) {
   const PanelGroups split(m, n, k, num_threads);
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (split.parallel)
-  for (int64_t g = 0; g < split.groups; ++g) {
-    const int64_t first = g * kGroup;
-    panel_group(x, ldx, m, packed + first * k * kPanel, k, bias ? bias + first * kPanel : nullptr,
-                y + first * kPanel, ldy, split.count(g), split.cols(g));
+#pragma omp parallel num_threads(num_threads) if (split.parallel)
+  {
+    // Each thread takes a contiguous run of groups, so that it prefetches only its own next
+    // group (prefetching another thread's would read those panels from DRAM twice).
+    const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+    const int64_t end = split.groups * (t + 1) / threads;
+    for (int64_t g = split.groups * t / threads; g < end; ++g) {
+      const int64_t first = g * kGroup;
+      const bool more = g + 1 < end;
+      panel_group(x, ldx, m, packed + first * k * kPanel, k, bias ? bias + first * kPanel : nullptr,
+                  y + first * kPanel, ldy, split.count(g), split.cols(g),
+                  more ? packed + (first + kGroup) * k * kPanel : nullptr, more ? split.count(g + 1) : 0);
+    }
   }
 }
 
@@ -339,7 +436,7 @@ void vgraph_linear_rows(const float* x, int64_t ldx, int64_t m, int64_t k, const
       const int64_t first = g * kGroup;
       pack_group(w, ldw, n, k, first * kPanel, split.count(g), buffer.data());
       panel_group(x, ldx, m, buffer.data(), k, bias ? bias + first * kPanel : nullptr,
-                  y + first * kPanel, ldy, split.count(g), split.cols(g));
+                  y + first * kPanel, ldy, split.count(g), split.cols(g), nullptr, 0);
     }
   }
 }

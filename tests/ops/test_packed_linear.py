@@ -86,6 +86,27 @@ def test_prefill_calls_give_a_row_the_same_bits_as_a_decode_call(out_features, i
     close(big, F.linear(x, w, bias))
 
 
+@pytest.mark.parametrize("rows", [11, 12, 16, 23, 64, 65])
+def test_decode_batches_that_prefetch_the_next_group_keep_every_bit(rows):
+    """12-64 rows over a single-pass K prefetch each thread's next group of panels while they
+    compute (csrc/linear_cpu.cpp, rows_pass): a hint that must change no output, on one thread
+    or two, for a weight of many groups with a partial last one."""
+    w, bias = torch.randn(1000, 512), torch.randn(1000)
+    x = torch.randn(rows, 512)
+    packed = pack_weight(w)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(torch.ops.vgraph.packed_linear(x, packed, bias, 1000))
+        alone = torch.cat([torch.ops.vgraph.packed_linear(x[i:i + 1], packed, bias, 1000) for i in range(rows)])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], alone)
+    close(outs[0], F.linear(x, w, bias))
+
+
 def test_threads_split_panels_without_changing_a_bit():
     for rows, in_features in ((20, 96), (250, 600)):  # decode-sized and prefill-sized
         w, x, bias = torch.randn(300, in_features), torch.randn(rows, in_features), torch.randn(300)

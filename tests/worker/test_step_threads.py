@@ -44,6 +44,19 @@ def test_size_classes_choose_apart_and_large_steps_keep_every_thread():
     assert chooser.threads_for(250) == 2 and chooser.threads_for(128) == 2
 
 
+def test_a_class_larger_than_one_that_took_every_thread_is_not_measured():
+    """Larger steps have longer parallel regions: once 16-31 tokens chose every thread, a rare
+    128-token prefill is not run on one thread to find out (each trial would cost twice)."""
+    chooser = StepThreads(2)
+    assert [_run(chooser, 128, {2: 9e-3, 1: 1e-3}) for _ in range(2)] == [2, 1]  # undecided: measured
+    fresh = StepThreads(2)
+    for _ in range(ROUND):
+        _run(fresh, 16, {2: 5e-3, 1: 7e-3})
+    assert fresh.threads_for(16) == 2
+    assert {_run(fresh, n, {2: 9e-3, 1: 1e-3}) for n in (32, 100, 128, 255) for _ in range(ROUND)} == {2}
+    assert _run(fresh, 4, {2: 2e-3, 1: 1e-3}) == 2 and _run(fresh, 4, {2: 2e-3, 1: 1e-3}) == 1  # smaller: measured
+
+
 def test_it_measures_again_after_a_while():
     """A neighbour that came or went changes the answer: it is found at the next measurement."""
     chooser = StepThreads(2)
