@@ -7,10 +7,9 @@ library reached 2.5-4.2 TB/s on an H200's 8B-shaped projections and 0.3-2.4 TB/s
 runs is decided per call from its shape (``takes_gemv``), so one compiled graph serves every
 batch: a FULL CUDA graph captures whichever its bucket's rows take.
 
-- One row (an eager batch-1 step, a 16-bit projection outside the compiled forward): the
-  kernel, for every projection but a head.
-- Two rows (batch 1 as the compiled forward pads it, ``COMPILED_MIN_ROWS``, or batch 2): the
-  kernel only for small weights (fewer than ``TWO_ROW_MAX_OUT`` rows of fewer than
+- One row (a batch-1 decode step, compiled or eager): the kernel, for every projection but a
+  head.
+- Two rows (batch 2): the kernel only for small weights (fewer than ``TWO_ROW_MAX_OUT`` rows of fewer than
   ``TWO_ROW_MAX_IN``). Its second accumulator doubles the registers, and on the 8B shapes it
   lost to the library (qkv 0.83x, gate_up 0.82x, down 0.84x, o 1.13x) while on the 0.5B's
   qkv, o and down it won (1.44x, 1.59x, 1.31x); gate_up, 9728 rows, lost (0.75x).

@@ -287,11 +287,6 @@ class SchedulerConfig:
         return replace(self, max_num_batched_tokens=tokens, async_scheduling=overlap)
 
 
-# Dynamo specializes a dynamic dim on sizes 0 and 1, so the compiled forward serves two rows
-# and more; the runner's batch builder pads one-token batches (vgraph/worker/dispatch.py).
-COMPILED_MIN_ROWS = 2
-
-
 @dataclass(frozen=True)
 class CompileConfig:
     """How the model is compiled, and which CUDA graphs replay it."""
@@ -352,12 +347,6 @@ class CompileConfig:
     @property
     def compiled(self) -> bool:
         return self.level is CompileLevel.COMPILED
-
-    @property
-    def min_forward_rows(self) -> int:
-        """The fewest rows a forward takes: the compiled one needs ``COMPILED_MIN_ROWS``.
-        Known here so the runner can plan its buckets without importing the compiler."""
-        return COMPILED_MIN_ROWS if self.compiled else 1
 
     def resolved_custom_ops(self, device_type: str, quantized: bool) -> bool:
         """``custom_ops`` when set; unset, off only for a compiled, unquantized model on CPU.
@@ -565,12 +554,12 @@ class EngineConfig:
 
     @property
     def max_forward_rows(self) -> int:
-        """The most rows one forward can carry, padding included: the step's token budget, a
-        decode of every seat (memory profiling runs one), or the compiled forward's minimum."""
+        """The most rows one forward can carry, padding included: the step's token budget or a
+        decode of every seat (memory profiling runs one)."""
         s = self.scheduler
         if s.max_num_batched_tokens is None:
             raise ValueError("max_num_batched_tokens is not resolved yet (EngineConfig.resolved)")
-        return max(s.max_num_batched_tokens, s.max_num_seqs, self.compile.min_forward_rows)
+        return max(s.max_num_batched_tokens, s.max_num_seqs)
 
     @property
     def max_model_len(self) -> int:

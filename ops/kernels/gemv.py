@@ -1,5 +1,5 @@
 """One- and two-row projections (``y = x @ W.T + b`` for one or two rows of ``x``): a decode
-step at batch 1 (which the compiled forward pads to two rows, ``COMPILED_MIN_ROWS``) or 2.
+step at batch 1 or 2.
 
 Why a kernel of its own: at one row a projection is a pure weight stream (every weight byte
 is read once and used for one multiply-add), so its speed is the fraction of DRAM bandwidth

@@ -10,8 +10,8 @@ import math
 
 import torch
 
-# Rows up to which a 16-bit CUDA projection takes the GEMV kernel (ops/kernels/gemv.py): batch
-# 1 reaches the compiled forward padded to two rows (config.COMPILED_MIN_ROWS).
+# Rows up to which a 16-bit CUDA projection may take the GEMV kernel (ops/kernels/gemv.py):
+# decode batches of one and two (ops/dense_linear.py decides per shape).
 GEMV_MAX_ROWS = 2
 
 FP8_DTYPE = torch.float8_e4m3fn

@@ -24,7 +24,7 @@ from vgraph.core.outputs import ModelRunnerOutput
 
 BATCH_SIZES = [1, 3, 7, 8, 9, 16, 25, 33]
 NEW_TOKENS = 6
-MAX_SEQS = 40  # decode buckets 2, 4, 8, 16, 24, 32, 40 (one sequence runs padded to two rows)
+MAX_SEQS = 40  # decode buckets 1, 2, 4, 8, 16, 24, 32, 40
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def _expected(prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
 def test_buckets_are_enabled_on_cpu_without_graphs(llm):
     engine = llm.engine
     assert engine.runner.graphs.mode is CudaGraphMode.FULL_AND_PIECEWISE
-    assert engine.runner.graphs.buckets.full == (2, 4, 8, 16, 24, 32, 40), "1 is raised to the forward's 2"
+    assert engine.runner.graphs.buckets.full == (1, 2, 4, 8, 16, 24, 32, 40), "the forward serves one row"
     assert engine.runner.graphs.buckets.piecewise[-1] == 256
     runner = engine.runner
     assert runner.graphs.decode_buffers is not None and runner.graphs.full_graphs is None and runner.graphs.piecewise_graphs is None
@@ -120,7 +120,7 @@ def test_padded_hidden_states_equal_unpadded(llm, prompts, kind):
             batch, decision = graphs.build(step)
             assert decision.path is (Path.FULL if kind == "decode" else Path.PIECEWISE) and decision.padding > 0
             padded = graphs.run(replace(batch, output_rows=None), decision).clone()
-            unpadded = Decision(Path.NONE, max(decision.num_tokens, graphs.min_forward_rows), decision.num_tokens)
+            unpadded = Decision(Path.NONE, decision.num_tokens, decision.num_tokens)
             plain = graphs.run(replace(graphs.builder.build(step, unpadded), output_rows=None), unpadded).clone()
         assert padded.shape == plain.shape == (decision.num_tokens, plain.shape[1])
         torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)

@@ -90,14 +90,14 @@ def prompts(emulated) -> list[list[int]]:
 
 
 def _piece_token_counts(sizes) -> set[int]:
-    # the compiled forward runs at least 2 rows, so capture size 1 is raised to 2
-    return {max(2, s) for s in sizes}
+    # every capture size is a token bucket (the compiled forward serves one row too)
+    return set(sizes)
 
 
 def test_graph_counts(emulated):
     llm, report = emulated
     buckets, counters = llm.engine.runner.graphs.buckets, llm.engine.runner.compile_counters
-    assert buckets.full == (2, 4, 8, 16, 32, 64) and buckets.piecewise == tuple(sorted(_piece_token_counts(SIZES)))
+    assert buckets.full == (1, 2, 4, 8, 16, 32, 64) and buckets.piecewise == tuple(sorted(_piece_token_counts(SIZES)))
     assert report.full_graphs == len(buckets.full)
     assert report.piecewise_graphs == counters.compiled_pieces * len(_piece_token_counts(SIZES))
     assert report.piecewise_buckets == len(buckets.piecewise)

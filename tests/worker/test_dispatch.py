@@ -58,9 +58,12 @@ def test_sizes_can_be_overridden_and_are_validated():
         CompileConfig(cudagraph_capture_sizes=[0, 4])
 
 
-def test_sizes_below_the_forwards_smallest_shape_are_raised_to_it():
-    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4]), 256, 512, min_forward_rows=2)
-    assert b.full == b.piecewise == (2, 4)
+def test_a_batch_of_one_has_a_bucket_of_its_own():
+    """The compiled forward serves one row (traced size-oblivious), so one sequence replays a
+    one-row graph and reaches the one-row GEMV on CUDA, not a padded two-row one."""
+    b = capture_sizes(CompileConfig(cudagraph_capture_sizes=[1, 2, 4]), 256, 512)
+    assert b.full == b.piecewise == (1, 2, 4)
+    assert choose(decode(1), b, BOTH) == Decision(Path.FULL, 1, 1)
 
 
 def test_mode_resolution():
@@ -101,9 +104,9 @@ def test_each_mode_offers_only_its_paths(mode, shape, expected):
     assert choose(shape, DEFAULT, mode) == expected
 
 
-def test_the_compiled_forwards_smallest_shape_pads_single_rows():
-    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE, min_forward_rows=2) == Decision(Path.NONE, 2, 1)
-    assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE, min_forward_rows=2) == Decision(Path.NONE, 5, 5)
+def test_without_graphs_nothing_is_padded():
+    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE) == Decision(Path.NONE, 1, 1)
+    assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE) == Decision(Path.NONE, 5, 5)
 
 
 def test_every_shape_the_scheduler_can_produce_has_a_path():

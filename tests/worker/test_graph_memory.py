@@ -39,7 +39,7 @@ class FakeDevice:
 def _piecewise_runner(buckets: tuple[int, ...]) -> ForwardRunner:
     builder = SimpleNamespace(device=torch.device("cuda"), block_size=16, max_model_len=64)
     return ForwardRunner(lambda ids, pos: ids, [], 1.0, builder, CudaGraphMode.PIECEWISE,
-                       Buckets((), buckets), 1)
+                         Buckets((), buckets))
 
 
 def test_capture_memory_is_measured_from_a_baseline_taken_after_emptying_the_cache(monkeypatch):

@@ -41,7 +41,7 @@ from .piece import PieceRunner, TokenDim
 
 logger = logging.getLogger("vgraph")
 
-RECORD_FORMAT = 4  # 3: a checksummed header before the pickle; 4: PieceRecord.row_args
+RECORD_FORMAT = 5  # 3: a checksummed header before the pickle; 4: PieceRecord.row_args; 5: traced size-oblivious (one row and up)
 RECORD_MAGIC = b"vgraph-captured\n"
 STATE, INPUT_IDS, POSITIONS, NUM_TOKENS = "state", "input_ids", "positions", "num_tokens"
 

@@ -8,6 +8,12 @@ a warm start loads it and runs no Dynamo at all. If the graph cannot be called d
 calls go through Dynamo's frame with guard evaluation skipped (the compiled code serves
 every token count), and a recompile raises instead of silently compiling again: during
 serving it is a bug.
+
+The trace is size-oblivious (``backed_size_oblivious``): Dynamo otherwise specializes a
+dynamic dimension on 0 and 1, and the graph would serve two rows and more, so a batch of one
+ran padded to two. On CUDA that doubled nothing the weights cost but kept a decode step of one
+sequence off the one-row GEMV kernels (ops/kernels/gemv.py), which beat the library on every
+projection of the 8B shape (H200: 121.5 -> 108.9 us a layer, perf/results/decode-kernels-cuda.json).
 """
 from __future__ import annotations
 
@@ -15,11 +21,11 @@ import time
 from typing import Callable, Optional
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from .backend import VgraphBackend
 from .cache import CompileCache
 from .counters import CompileCounters
-from .ladder import check_rows
 
 # Every engine in a process traces the same ``forward`` code object once, and Dynamo keeps
 # one cache entry per trace; these limits allow that many engines (tests, benchmarks).
@@ -57,7 +63,6 @@ class CompiledForward:
         return self._direct
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        check_rows(input_ids)
         if self._direct is not None:
             return self._direct(input_ids, positions)
         if not self.traced:
@@ -85,7 +90,8 @@ class CompiledForward:
         try:
             if self._compiled is None:
                 self._compiled = self._compile()
-            out = self._compiled(input_ids, positions)
+            with fx_config.patch(backed_size_oblivious=True):  # one graph for every row count
+                out = self._compiled(input_ids, positions)
         finally:
             self.backend.capture_context = None
         self.traced = True

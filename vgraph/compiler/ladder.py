@@ -20,19 +20,11 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 
-from ..config import COMPILED_MIN_ROWS
 from .counters import CompileCounters
 
 logger = logging.getLogger("vgraph")
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def check_rows(input_ids: torch.Tensor) -> None:
-    """The compiled forward takes ``COMPILED_MIN_ROWS`` rows or more (config.py says why)."""
-    if input_ids.shape[0] < COMPILED_MIN_ROWS:
-        raise ValueError(f"the compiled forward takes at least {COMPILED_MIN_ROWS} rows, got "
-                         f"{input_ids.shape[0]}: pad the batch (the runner's batch builder does)")
 
 
 class Loader(Protocol):
@@ -88,7 +80,6 @@ class LadderForward:
         return self._forward
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        check_rows(input_ids)
         if self._forward is not None:
             return self._forward(input_ids, positions)
         return self._climb(input_ids, positions)

@@ -384,6 +384,9 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb(positions, hidden.dtype)  # gathered once, used by every layer
         lora_slots = None
         if self.lora_token_slots is not None:
+            # A batch never exceeds the slots buffer: said to the compiler, so the slice's length
+            # is the token count itself (not min(buffer, tokens)) and the tail can run on rows.
+            torch._check(inputs.shape[0] <= self.lora_token_slots.shape[0])
             lora_slots = self.lora_token_slots[:inputs.shape[0]]
         for i in self.layer_range:
             hidden, residual = self.layers[i](rope, hidden, residual, lora_slots)

@@ -199,7 +199,7 @@ class ForwardRunner:
     the plain compiled or eager forward), and captures the graphs it replays."""
 
     def __init__(self, forward: Forward, kv_caches: Sequence, softmax_scale: float, builder: BatchBuilder,
-                 mode: CudaGraphMode, buckets: Buckets, min_forward_rows: int,
+                 mode: CudaGraphMode, buckets: Buckets,
                  weights: Sequence[torch.Tensor] = (), kv_scales: Optional[Sequence] = None) -> None:
         self.forward_fn = forward
         self.weights = list(weights)  # the model's parameters and buffers: FULL graphs read them in place
@@ -209,7 +209,6 @@ class ForwardRunner:
         self.builder = builder
         self.mode = mode
         self.buckets = buckets if mode is not CudaGraphMode.NONE else Buckets((), ())
-        self.min_forward_rows = min_forward_rows
         self.decode_buffers: Optional[DecodeBuffers] = None
         b = self.buckets
         if mode.has_full and (b.full or b.verify):
@@ -223,7 +222,7 @@ class ForwardRunner:
     # ------------------------------------------------------------------ one batch
 
     def decide(self, step: RunnerStep) -> Decision:
-        return choose(BatchShape.of_step(step), self.buckets, self.mode, self.min_forward_rows)
+        return choose(BatchShape.of_step(step), self.buckets, self.mode)
 
     def build(self, step: RunnerStep) -> tuple[FlatBatch, Decision]:
         decision = self.decide(step)

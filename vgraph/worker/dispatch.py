@@ -14,8 +14,7 @@ Three paths, as in vLLM:
   with T' - T rows that belong to no sequence. On CUDA every compiled piece replays its graph
   for T' and attention runs eagerly between the pieces.
 - NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded
-  (except up to its smallest shape: Dynamo specializes sizes 0 and 1, so the compiled
-  forward runs at least two rows, and capture sizes below two are raised to two).
+  (it serves any row count from one: compiled_forward.py traces size-oblivious).
 
 Without CUDA the default mode is NONE (padding would only add work); with a mode set
 explicitly the same decisions and the same padding run and each bucket is the compiled
@@ -73,21 +72,20 @@ class Buckets:
 
 
 def capture_sizes(config: CompileConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                  min_forward_rows: int = 1, verify: Optional["VerifyShape"] = None) -> Buckets:
-    """The buckets for an engine: the configured (or default) sizes, raised to the forward's
-    ``min_forward_rows`` and capped by what the scheduler can produce. ``verify``: the
-    speculative verify batches' shape (None: no speculation)."""
+                  verify: Optional["VerifyShape"] = None) -> Buckets:
+    """The buckets for an engine: the configured (or default) sizes, capped by what the
+    scheduler can produce. ``verify``: the speculative verify batches' shape (None: no
+    speculation)."""
     wanted = config.cudagraph_capture_sizes
     if wanted is None:
         wanted = default_capture_sizes(config.max_capture_size)
-    sizes = sorted({max(s, min_forward_rows) for s in wanted if s <= max_num_batched_tokens})
+    sizes = sorted({s for s in wanted if s <= max_num_batched_tokens})
     # Decode batches hold at most max_num_seqs rows: keep the first bucket that fits them all.
     full = _up_to_first_holding(sizes, max_num_seqs)
     if verify is None:
         return Buckets(full=tuple(full), piecewise=tuple(sizes))
     q = verify.query_len
-    # Guesses stop above max_seqs sequences; a padded batch stays within the token budget. Not
-    # raised to min_forward_rows: one sequence is already k + 1 >= 2 rows.
+    # Guesses stop above max_seqs sequences; a padded batch stays within the token budget.
     seqs = _up_to_first_holding(sorted({s for s in wanted if s * q <= max_num_batched_tokens}), verify.max_seqs)
     return Buckets(full=tuple(full), piecewise=tuple(sizes), verify=tuple(seqs), verify_query_len=q,
                    verify_max_start=verify.max_model_len - q)
@@ -151,11 +149,10 @@ class Decision:
         return self.query_len if self.path is Path.FULL and self.query_len > 1 else 0
 
 
-def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_forward_rows: int = 1) -> Decision:
+def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision:
     """FULL for a pure-decode batch that fits a decode bucket, or a verify batch that fits a
     verify bucket, else PIECEWISE when the token count fits a token bucket, else NONE at the
-    batch's own size (at least ``min_forward_rows`` rows: the compiled forward's smallest
-    shape)."""
+    batch's own size."""
     n = shape.num_tokens
     if n > 0 and shape.uniform_decode and mode.has_full:
         bucket = Buckets.smallest_at_least(buckets.full, n)
@@ -170,4 +167,4 @@ def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_forward
         bucket = Buckets.smallest_at_least(buckets.piecewise, n)
         if bucket is not None:
             return Decision(Path.PIECEWISE, bucket, n)
-    return Decision(Path.NONE, max(n, min_forward_rows) if n else 0, n)
+    return Decision(Path.NONE, n, n)

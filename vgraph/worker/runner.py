@@ -106,9 +106,8 @@ class ModelRunner:
         stage_input = None if self.stage.is_first else StageInput(2 * m.hidden_size, m.dtype)
         self.builder = BatchBuilder(self.spec.block_size, self.device, m.num_kv_heads, config.max_model_len,
                                     stage_input, self.stage.is_last)
-        min_forward_rows = config.compile.min_forward_rows  # without importing the compiler (~1 s)
         buckets = capture_sizes(config.compile, config.scheduler.max_num_seqs,
-                                config.scheduler.max_num_batched_tokens, min_forward_rows, _verify_shape(config))
+                                config.scheduler.max_num_batched_tokens, _verify_shape(config))
         profile = self._profile_memory()
         reserve = self._graph_reserve(profile, buckets)
         self.num_blocks = self._plan_blocks(profile, reserve, self._draft_share(profile))
@@ -120,7 +119,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         forward = self._compiled_forward()
         self.graphs = ForwardRunner(forward, self.kv_caches, self.softmax_scale, self.builder,
-                                  config.compile.cudagraph_mode, buckets, min_forward_rows,
+                                  config.compile.cudagraph_mode, buckets,
                                   weights=[*m.parameters(), *m.buffers()], kv_scales=self.kv_scales)
         self._warm_up()
         t3 = time.perf_counter()
@@ -159,7 +158,7 @@ class ModelRunner:
         resident = torch.cuda.memory_allocated(self.device)
         caches = allocate_kv_caches(self.spec, scratch_blocks, self.device)
         eager = ForwardRunner(self.model, caches, self.softmax_scale, self.builder, CudaGraphMode.NONE,
-                            Buckets((), ()), 1, kv_scales=self.kv_scales)
+                              Buckets((), ()), kv_scales=self.kv_scales)
         self._step(eager, dummy_prefill(lens, self.spec.block_size, scratch_blocks))
         # The widest sampling step too: logits and the top-k/top-p sort for every seat.
         self._step(eager, dummy_decode(sched.max_num_seqs, 1, self.spec.block_size, scratch_blocks))
