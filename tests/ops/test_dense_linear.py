@@ -67,7 +67,7 @@ def test_config_for_each_branch():
     (1, (96, 64), torch.bfloat16, True),
     (1, (96, 64), torch.float16, True),
     (1, (28672, 4096), torch.bfloat16, True),     # one row: every projection
-    (2, (1152, 896), torch.bfloat16, True),       # two rows (batch 1, compiled): small weights
+    (2, (1152, 896), torch.bfloat16, True),       # two rows (batch 2): small weights
     (2, (896, 4864), torch.bfloat16, True),
     (2, (6144, 4096), torch.bfloat16, False),     # ... not an 8B's: the library won there
     (2, (896, 8192), torch.bfloat16, False),
