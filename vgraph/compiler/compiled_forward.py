@@ -12,8 +12,9 @@ serving it is a bug.
 The trace is size-oblivious (``backed_size_oblivious``): Dynamo otherwise specializes a
 dynamic dimension on 0 and 1, and the graph would serve two rows and more, so a batch of one
 ran padded to two. On CUDA the padding row cost little (the weights are read once either way)
-but kept a decode step of one sequence off the one-row GEMV kernels (ops/kernels/gemv.py), which beat the library on every
-projection of the 8B shape (H200: 121.5 -> 108.9 us a layer, perf/results/decode-kernels-cuda.json).
+but kept a decode step of one sequence off the one-row GEMV kernels (ops/kernels/gemv.py),
+which beat the library on every projection of the 8B shape (H200: 121.5 -> 108.9 us a layer,
+perf/results/decode-kernels-cuda.json).
 """
 from __future__ import annotations
 
