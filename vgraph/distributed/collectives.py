@@ -29,11 +29,16 @@ def all_gather_last_dim(x: Tensor, group: TPGroup) -> Tensor:
     """``[..., n]`` shards of every rank concatenated in rank order: ``[..., world_size * n]``.
 
     Functional all-gathers concatenate along dim 0, so the shards are gathered as they are and
-    the rank dim is moved next to the last one."""
+    the rank dim is moved next to the last one. The ``_c10d_functional`` ops are called directly:
+    the Python wrapper for them was renamed between the torch releases vgraph supports (2.11
+    has ``all_gather_tensor`` only; 2.13 adds ``all_gather_single`` and deprecates it), while
+    the ops, which Dynamo traces either way, are the same in both."""
     if not group.is_parallel:
         return x
-    import torch.distributed._functional_collectives as funcol
+    import torch.distributed._functional_collectives  # noqa: F401  (registers _c10d_functional)
 
-    gathered = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group.group_name))
+    functional = torch.ops._c10d_functional
+    gathered = functional.wait_tensor(
+        functional.all_gather_into_tensor(x.contiguous(), group.world_size, group.group_name))
     shards = gathered.view(group.world_size, *x.shape)
     return torch.movedim(shards, 0, -2).reshape(*x.shape[:-1], group.world_size * x.shape[-1])

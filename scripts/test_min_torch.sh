@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The CPU tests on the oldest torch vgraph supports: torch 2.11 with the triton it pins (3.6),
+# the versions of the GPU machine vgraph is measured on. Runs in ./.venv-torch-min (created
+# when missing). Extra arguments go to pytest; by default the folders that exercise torch's
+# APIs (compilation, models, engine, kernels under the interpreter, tensor parallelism).
+#
+# Why: CI runs torch 2.13, so an API that 2.11 lacks passes CI and fails on the device. That
+# happened once (torch.distributed's functional all_gather_single, added after 2.11: tensor
+# parallelism could not start on 2.11). PyPI has no CPU build of torch 2.11 for x86_64: this
+# installs the CUDA build (about 4.6 GB in the venv), which runs on the CPU. numpy stays
+# below 2.3: triton 3.6's interpreter converts one-element arrays to Python ints, which newer
+# numpy refuses ("only 0-dimensional arrays can be converted to Python scalars").
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$root/.venv-torch-min"
+stamp="$venv/.vgraph-installed"
+python="${PYTHON:-python3}"
+torch_min="2.11.0"
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "[vgraph] creating $venv" >&2
+    "$python" -m venv "$venv"
+fi
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+    echo "[vgraph] installing torch==$torch_min (its CUDA build, ~4.6 GB), vgraph (editable) and the" \
+         "test tools into $venv" >&2
+    pins="$(mktemp)"
+    trap 'rm -f "$pins"' EXIT
+    printf 'torch==%s\nnumpy<2.3\n' "$torch_min" > "$pins"
+    "$venv/bin/python" -m pip install -q -c "$pins" "torch==$torch_min" -e "$root" \
+        pytest hypothesis jsonschema httpx openai peft
+    touch "$stamp"
+fi
+cd "$root"
+"$venv/bin/python" -c 'import torch, triton; print(f"[vgraph] torch {torch.__version__}, triton {triton.__version__}")' >&2
+folders=(tests/compiler tests/models tests/engine tests/worker tests/core tests/passes tests/ops tests/spec
+         tests/lora tests/distributed tests/structured)
+if [ $# -gt 0 ]; then folders=("$@"); fi
+"$venv/bin/python" -m pytest "${folders[@]}"
