@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The CPU tests on the oldest torch vgraph supports: torch 2.11 with the triton it pins (3.6),
-# the versions of the GPU machine vgraph is measured on. Runs in ./.venv-torch-min (created
-# when missing). Extra arguments go to pytest; by default the folders that exercise torch's
-# APIs (compilation, models, engine, kernels under the interpreter, tensor parallelism).
+# and transformers 5.17, the versions of the GPU machine vgraph is measured on. Runs in
+# ./.venv-torch-min (created when missing). Extra arguments go to pytest; by default the
+# folders that exercise torch's APIs (compilation, models, engine, kernels under the
+# interpreter, tensor parallelism) and the server. The default folders pass there (2026-11-28).
 #
 # Why: CI runs torch 2.13, so an API that 2.11 lacks passes CI and fails on the device. That
 # happened once (torch.distributed's functional all_gather_single, added after 2.11: tensor
@@ -22,18 +23,19 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-    echo "[vgraph] installing torch==$torch_min (its CUDA build, ~4.6 GB), vgraph (editable) and the" \
-         "test tools into $venv" >&2
+    echo "[vgraph] installing torch==$torch_min (its CUDA build, ~4.6 GB), transformers 5.17, vgraph" \
+         "(editable) and the test tools into $venv" >&2
     pins="$(mktemp)"
     trap 'rm -f "$pins"' EXIT
-    printf 'torch==%s\nnumpy<2.3\n' "$torch_min" > "$pins"
+    printf 'torch==%s\nnumpy<2.3\ntransformers==5.17.*\n' "$torch_min" > "$pins"
     "$venv/bin/python" -m pip install -q -c "$pins" "torch==$torch_min" -e "$root" \
         pytest hypothesis jsonschema httpx openai peft
     touch "$stamp"
 fi
 cd "$root"
-"$venv/bin/python" -c 'import torch, triton; print(f"[vgraph] torch {torch.__version__}, triton {triton.__version__}")' >&2
+"$venv/bin/python" -c 'import torch, transformers, triton
+print(f"[vgraph] torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")' >&2
 folders=(tests/compiler tests/models tests/engine tests/worker tests/core tests/passes tests/ops tests/spec
-         tests/lora tests/distributed tests/structured)
+         tests/lora tests/distributed tests/structured tests/server)
 if [ $# -gt 0 ]; then folders=("$@"); fi
 "$venv/bin/python" -m pytest "${folders[@]}"

@@ -213,6 +213,12 @@ def test_streams_cut_by_the_shutdown_deadline_end_with_an_error_event_and_done(l
         for thread in [*readers, waiter]:
             thread.start()
         assert all(started.wait(60) for _, started in streams)
+        # The plain request too must be in the engine when SIGTERM lands (4 requests of n=4:
+        # 16 sequences), or on a loaded machine it may not have been sent yet.
+        deadline = time.monotonic() + 60
+        while sum(proc.metrics()[f"vllm:num_requests_{q}"] for q in ("running", "waiting")) < 16:
+            assert time.monotonic() < deadline, "the four requests reached the engine"
+            time.sleep(0.02)
         proc.proc.send_signal(signal.SIGTERM)
         for thread in [*readers, waiter]:
             thread.join(60)
