@@ -31,7 +31,7 @@ def all_gather_last_dim(x: Tensor, group: TPGroup) -> Tensor:
     Functional all-gathers concatenate along dim 0, so the shards are gathered as they are and
     the rank dim is moved next to the last one. The ``_c10d_functional`` ops are called directly:
     the Python wrapper for them was renamed between the torch releases vgraph supports (2.11
-    has ``all_gather_tensor`` only; 2.13 adds ``all_gather_single`` and deprecates it), while
+    has ``all_gather_tensor`` only; 2.13 adds ``all_gather_single`` and deprecates the other), while
     the ops, which Dynamo traces either way, are the same in both."""
     if not group.is_parallel:
         return x
