@@ -10,34 +10,18 @@
 # Why: CI runs torch 2.13, so an API that 2.11 lacks passes CI and fails on the device. That
 # happened once (torch.distributed's functional all_gather_single, added after 2.11: tensor
 # parallelism could not start on 2.11). PyPI has no CPU build of torch 2.11 for x86_64: this
-# installs the CUDA build (about 4.6 GB in the venv), which runs on the CPU. numpy stays
-# below 2.3: triton 3.6's interpreter converts one-element arrays to Python ints, which newer
-# numpy refuses ("only 0-dimensional arrays can be converted to Python scalars").
+# installs the CUDA build (about 4.6 GB in the venv), which runs on the CPU. The pins, and why
+# numpy stays below 2.3: constraints/torch-min.txt.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$root/.venv-torch-min"
-stamp="$venv/.vgraph-installed"
-python="${PYTHON:-python3}"
-torch_min="2.11.0"
-
-if [ ! -x "$venv/bin/python" ]; then
-    echo "[vgraph] creating $venv" >&2
-    "$python" -m venv "$venv"
-fi
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-    echo "[vgraph] installing torch==$torch_min (its CUDA build, ~4.6 GB), transformers 5.17, vgraph" \
-         "(editable) and the test tools into $venv" >&2
-    pins="$(mktemp)"
-    trap 'rm -f "$pins"' EXIT
-    printf 'torch==%s\nnumpy<2.3\ntransformers==5.17.*\n' "$torch_min" > "$pins"
-    "$venv/bin/python" -m pip install -q -c "$pins" "torch==$torch_min" -e "$root" \
-        pytest hypothesis jsonschema httpx openai peft
-    touch "$stamp"
-fi
+source "$root/scripts/venv.sh"
+pins="$root/constraints/torch-min.txt"
+ensure_venv "$root/.venv-torch-min" "torch 2.11 (its CUDA build, ~4.6 GB), transformers 5.17, vgraph (editable)\
+ and the test tools" -c "$pins" torch -e "$root" pytest hypothesis jsonschema httpx openai peft
 cd "$root"
-"$venv/bin/python" -c 'import torch, transformers, triton
+"$root/.venv-torch-min/bin/python" -c 'import torch, transformers, triton
 print(f"[vgraph] torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}")' >&2
 folders=(tests/compiler tests/models tests/engine tests/worker tests/core tests/passes tests/ops tests/spec
          tests/lora tests/distributed tests/structured tests/server)
 if [ $# -gt 0 ]; then folders=("$@"); fi
-"$venv/bin/python" -m pytest "${folders[@]}"
+"$root/.venv-torch-min/bin/python" -m pytest "${folders[@]}"
