@@ -20,7 +20,7 @@ ensure_venv() {
         if [ -f "$arg" ] && [ "$arg" -nt "$stamp" ]; then stale=1; fi
     done
     if [ "$stale" = 1 ]; then
-        echo "[vgraph] installing $what into $venv" >&2
+        echo "[vgraph] installing into $venv: $what" >&2
         "$venv/bin/python" -m pip install -q "$@"
         touch "$stamp"
     fi
