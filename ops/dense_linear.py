@@ -20,6 +20,13 @@ batch: a FULL CUDA graph captures whichever its bucket's rows take.
 weight takes the kernel, both come out of one kernel (the activation kernel and the [M, 2d]
 intermediate disappear: 8B 62.1 -> 57.4 us, 0.5B 10.4 -> 6.9 us at one row); otherwise it is
 ``F.linear`` then ``vgraph::silu_and_mul``.
+
+``rms_norm_linear`` / ``fused_add_rms_norm_linear`` are an RMSNorm (after a residual add)
+followed by either projection, made by the compiler pass ``passes/norm_linear.py`` where a
+norm's output feeds only that projection. Where the projection takes the kernel, the norm
+runs inside it (``gemv.rms_norm_gemv_triton``: its launch and its [M, K] round trip are
+gone); otherwise, and on every other device, they are the two ops in turn, so the pass changes
+no results.
 """
 from __future__ import annotations
 
@@ -32,6 +39,8 @@ from torch import Tensor
 from .kernels import lazy
 from .kernels.host import GEMV_MAX_ROWS
 from .registration import vgraph_op
+
+_vg = torch.ops.vgraph
 
 kernels = lazy("gemv")
 
@@ -111,3 +120,75 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     if takes_gemv(x, weight):  # shapes checked at tracing (the fake) and by the kernel's launcher
         return kernels.gemv_silu_mul_triton(x, weight, bias)
     return torch.ops.vgraph.silu_and_mul(F.linear(x, weight, bias))
+
+
+def _project(x: Tensor, weight: Tensor, bias: Optional[Tensor], silu_mul: bool) -> Tensor:
+    """The projection a fused norm feeds: ``vgraph::linear`` or ``vgraph::linear_silu_and_mul``."""
+    return (_vg.linear_silu_and_mul if silu_mul else _vg.linear)(x, weight, bias)
+
+
+def _check_norm(x: Tensor, norm_weight: Tensor, weight: Tensor, bias: Optional[Tensor], silu_mul: bool) -> None:
+    _check(x, weight, bias)
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} does not match x {tuple(x.shape)}")
+    if silu_mul:
+        _half(weight)
+
+
+def _normed_out(x: Tensor, weight: Tensor, silu_mul: bool) -> Tensor:
+    return x.new_empty((*x.shape[:-1], _half(weight) if silu_mul else weight.shape[0]))
+
+
+def _takes_fused(x: Tensor, weight: Tensor, *others: Tensor) -> bool:
+    return takes_gemv(x, weight) and all(t.is_contiguous() and t.dtype == x.dtype for t in (x, *others))
+
+
+@vgraph_op("vgraph::rms_norm_linear", mutates_args=())
+def rms_norm_linear(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
+                    silu_mul: bool) -> Tensor:
+    """``linear(rms_norm(x))`` (``silu_mul``: ``linear_silu_and_mul``)."""
+    _check_norm(x, norm_weight, weight, bias, silu_mul)
+    return _project(_vg.rms_norm(x, norm_weight, eps), weight, bias, silu_mul)
+
+
+@rms_norm_linear.register_fake
+def _(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
+      silu_mul: bool) -> Tensor:
+    _check_norm(x, norm_weight, weight, bias, silu_mul)
+    return _normed_out(x, weight, silu_mul)
+
+
+@rms_norm_linear.register_kernel("cuda")
+def _(x: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
+      silu_mul: bool) -> Tensor:
+    if _takes_fused(x, weight):
+        return kernels.rms_norm_gemv_triton(x, kernels.NormPrologue(norm_weight, eps), weight, bias, silu_mul)[0]
+    return _project(_vg.rms_norm(x, norm_weight, eps), weight, bias, silu_mul)
+
+
+@vgraph_op("vgraph::fused_add_rms_norm_linear", mutates_args=())
+def fused_add_rms_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                              bias: Optional[Tensor], silu_mul: bool) -> tuple[Tensor, Tensor]:
+    """``fused_add_rms_norm`` then the projection of its normed output; returns
+    ``(projection, residual')``."""
+    _check_norm(x, norm_weight, weight, bias, silu_mul)
+    normed, new_residual = _vg.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return _project(normed, weight, bias, silu_mul), new_residual
+
+
+@fused_add_rms_norm_linear.register_fake
+def _(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
+      silu_mul: bool) -> tuple[Tensor, Tensor]:
+    _check_norm(x, norm_weight, weight, bias, silu_mul)
+    return _normed_out(x, weight, silu_mul), torch.empty_like(x)
+
+
+@fused_add_rms_norm_linear.register_kernel("cuda")
+def _(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
+      silu_mul: bool) -> tuple[Tensor, Tensor]:
+    if _takes_fused(x, weight, residual):
+        y, new_residual = kernels.rms_norm_gemv_triton(x, kernels.NormPrologue(norm_weight, eps, residual),
+                                                       weight, bias, silu_mul)
+        return y, new_residual
+    normed, new_residual = _vg.fused_add_rms_norm(x, residual, norm_weight, eps)
+    return _project(normed, weight, bias, silu_mul), new_residual

@@ -86,9 +86,19 @@ def _gemv_cases(dtype: torch.dtype) -> list:
 
     def swiglu(x, w, b):
         return dense_linear.linear_silu_and_mul_reference(projection(x, w, b).float(), torch.eye(600), None).to(x.dtype)
+    r, norm_w = torch.randn(1, 1000, dtype=dtype), (1 + 0.1 * torch.randn(1000)).to(dtype)
+
+    def normed_projection(x, r, norm_w, w, b):  # the norm's output, then the projection
+        return projection(norm.fused_add_rms_norm_reference(x, r, norm_w, 1e-6)[0], w, b)
+
+    def fused_norm(x, r, norm_w, w, b):
+        return gemv_k.rms_norm_gemv_triton(x, gemv_k.NormPrologue(norm_w, 1e-6, r), w, b)[0]
     return [("linear (one row)", gemv_k.gemv_triton, projection, (x, w, b), REL_TOL[dtype]),
             # gate and up are each rounded once: a last-bit difference in either doubles in the product
-            ("linear_silu_and_mul (one row)", gemv_k.gemv_silu_mul_triton, swiglu, (x, w, b), 2 * REL_TOL[dtype])]
+            ("linear_silu_and_mul (one row)", gemv_k.gemv_silu_mul_triton, swiglu, (x, w, b), 2 * REL_TOL[dtype]),
+            # the norm's output is rounded before the projection: a last-bit difference there moves it
+            ("fused_add_rms_norm_linear (one row)", fused_norm, normed_projection, (x, r, norm_w, w, b),
+             2 * REL_TOL[dtype])]
 
 
 def _lora_cases(dtype: torch.dtype) -> list:

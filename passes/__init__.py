@@ -21,11 +21,12 @@ from .all_reduce_norm import AllReduceRMSNormFusionPass
 from .base import CallablePass, VgraphPass, as_pass
 from .loading import PassSpecError, PlacedPass, arrange, load_pass, position_of
 from .manager import GraphRecord, PassManager, PassStep, default_passes
+from .norm_linear import NormLinearFusionPass
 from .rms_norm_quant import RMSNormQuantFusionPass
 from .silu_mul import SiluMulFusionPass
 
 __all__ = ["PassManager", "default_passes", "VgraphPass", "CallablePass", "as_pass",
-           "RMSNormQuantFusionPass", "SiluMulFusionPass", "AllReduceRMSNormFusionPass", "GraphRecord", "PassStep",
+           "RMSNormQuantFusionPass", "SiluMulFusionPass", "AllReduceRMSNormFusionPass", "NormLinearFusionPass", "GraphRecord", "PassStep",
            "PlacedPass", "PassSpecError", "load_pass", "position_of", "arrange", "report"]
 
 

@@ -20,7 +20,7 @@ The rules a rewrite follows (each helper below serves one of them):
   (if an intermediate has another reader, it must be computed anyway);
 - decide shapes without guards: ``known_equal`` / ``known_at_least`` answer "provably",
   so a symbolic size never adds a recompile condition;
-- insert where every input exists: ``node_order``, ``defined_before``;
+- insert where every input exists: ``node_order``, ``defined_before``, ``fused_insertion_point``;
 - give the new node the replaced node's ``meta`` (``copy_meta``): later Inductor passes and
   lowering read ``meta["val"]``;
 - erase what became dead (``erase_dead``), users first, and return match counts per pattern
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -158,6 +158,24 @@ def node_order(graph: Graph) -> dict[Node, int]:
 def defined_before(arg: Any, node: Node, order: dict[Node, int]) -> bool:
     """True when ``arg`` (a node or a constant) is available at ``node``'s position."""
     return not isinstance(arg, Node) or order[arg] < order[node]
+
+
+def fused_insertion_point(first: Node, last: Node, inputs: Sequence[Any], early_reads: Sequence[Node],
+                          order: dict[Node, int]) -> Optional[Node]:
+    """Where one op replacing the span ``first`` .. ``last`` of a pattern can go, so that every
+    input precedes it and every reader of an early output follows it.
+
+    At ``first``, if the pattern's later ``inputs`` already exist there (the usual case: graph
+    inputs, weights); else at ``last``, if nothing reads ``early_reads`` (getitems of
+    ``first``'s outputs that the fused op also produces) in between. Otherwise no valid place
+    exists without reordering the graph, and the pattern is skipped.
+    """
+    if all(defined_before(arg, first, order) for arg in inputs):
+        return first
+    users = [user for read in early_reads for user in read.users]
+    if all(order.get(user, len(order)) > order[last] for user in users):
+        return last
+    return None
 
 
 def copy_meta(src: Node, dst: Node) -> None:

@@ -28,7 +28,7 @@ from torch.fx import Graph, Node
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
-from .fx_utils import (copy_meta, defined_before, getitem_users, is_call, node_order, only_user,
+from .fx_utils import (copy_meta, fused_insertion_point, getitem_users, is_call, node_order, only_user,
                        op_args, op_name)
 
 _vg = torch.ops.vgraph
@@ -108,7 +108,7 @@ def _fuse_add_rms_norm_static(graph: Graph, normed: Node, quant: Node,
         return None
     residual_reads = outputs.get(1, [])
     norm_args, scale = op_args(norm), op_args(quant)["scale"]
-    where = _insertion_point(norm, quant, scale, residual_reads, order)
+    where = fused_insertion_point(norm, quant, [scale], residual_reads, order)
     if where is None:
         return None
     with graph.inserting_before(where):
@@ -127,19 +127,3 @@ def _fuse_add_rms_norm_static(graph: Graph, normed: Node, quant: Node,
     for node in (quant, normed, norm):
         graph.erase_node(node)
     return op_name(FUSED_ADD_RMS_NORM_STATIC)
-
-
-def _insertion_point(norm: Node, quant: Node, scale: Any, residual_reads: list[Node],
-                     order: dict[Node, int]) -> Optional[Node]:
-    """Where the fused op can go so that every input precedes it and every reader follows.
-
-    At the norm, if the scale already exists there (the usual case: a graph input); else at
-    the quant, if nothing reads the residual in between. Otherwise no valid place exists
-    without reordering the graph, and the pattern is skipped.
-    """
-    if defined_before(scale, norm, order):
-        return norm
-    users_of_residual = [user for read in residual_reads for user in read.users]
-    if all(order.get(user, len(order)) > order[quant] for user in users_of_residual):
-        return quant
-    return None

@@ -1,5 +1,5 @@
 """``python -m perf.decode_kernels_ab [--shapes llama3-8b,qwen2.5-0.5b] [--rows 1,2] [--chosen]
-[--out FILE]``: the
+[--norm] [--out FILE]``: the
 batch-1 decode step's two big device costs, each kernel against its alternatives, on a GPU.
 
 Why: at batch 1 a step is a weight stream (the projections) plus attention over the context;
@@ -14,7 +14,11 @@ it. Per model shape:
 - the MLP's gate_up projection and SwiGLU: cuBLAS then ``silu_and_mul``, against the fused
   one-row kernel (``gemv_silu_mul_triton``);
 - decode attention of one sequence at contexts 256 and 1024: the unified kernel against the
-  split-KV pair at several split counts.
+  split-KV pair at several split counts;
+- ``--norm``: the two norm -> projection sites of a layer (residual add + RMSNorm, then qkv;
+  then gate_up with SwiGLU), the norm kernel followed by the GEMV against the GEMV with the
+  norm inside it (``rms_norm_gemv_triton``, what ``passes/norm_linear.py`` makes), at
+  ``--rows``. This decides whether that pass joins the default passes.
 
 Timing: each candidate is captured in a CUDA graph that calls it on ``copies`` distinct
 weights (or KV caches), as many as make the working set at least ``WORKING_SET_BYTES`` (well
@@ -36,7 +40,8 @@ import torch.nn.functional as F
 
 from vgraph.ops.kernels.attention import (paged_attention_decode_split_kv_triton,
                                           paged_attention_triton)
-from vgraph.ops.kernels.gemv import GemvConfig, config_for, gemv_silu_mul_triton, gemv_triton
+from vgraph.ops.kernels.gemv import (GemvConfig, NormPrologue, config_for, gemv_silu_mul_triton, gemv_triton,
+                                     rms_norm_gemv_triton)
 
 from .suites.decode import SHAPES
 
@@ -149,6 +154,41 @@ def swiglu_rows(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor)
     return {"swiglu_unfused_us": unfused, "swiglu_fused_us": fused}
 
 
+def norm_rows(cfg: dict, dtype: torch.dtype, m: int) -> list[dict]:
+    """Residual add + RMSNorm then the qkv GEMV, and then the gate_up + SwiGLU GEMV: the norm
+    kernel and the GEMV against the GEMV with the norm inside, at ``m`` rows."""
+    from vgraph.ops.kernels.norm import rms_norm_triton
+    h = cfg["hidden_size"]
+    sites = {name: (n, name == "gate_up") for name, n, _, _ in projections(cfg) if name in ("qkv", "gate_up")}
+    rows = []
+    for name, (n, silu_mul) in sites.items():
+        copies = copies_for(n * h * torch.finfo(dtype).bits // 8)
+        weights = [torch.randn(n, h, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+        x, residual = torch.randn(m, h, device="cuda", dtype=dtype), torch.randn(m, h, device="cuda", dtype=dtype)
+        norm_w = torch.ones(h, device="cuda", dtype=dtype)
+        project = gemv_silu_mul_triton if silu_mul else gemv_triton
+
+        def unfused(w):
+            normed, _ = rms_norm_triton(x, norm_w, 1e-6, residual=residual)
+            return project(normed, w)
+
+        def fused(w):
+            return rms_norm_gemv_triton(x, NormPrologue(norm_w, 1e-6, residual), w, None, silu_mul)[0]
+
+        if not torch.allclose(fused(weights[0]).float(), unfused(weights[0]).float(), atol=2e-2, rtol=2e-2):
+            raise AssertionError(f"the norm-fused GEMV disagrees with norm + GEMV on {name}")
+        row = {"site": name, "rows": m, "out_features": n, "in_features": h,
+               "unfused_us": graph_us([lambda w=w: unfused(w) for w in weights]),
+               "fused_us": graph_us([lambda w=w: fused(w) for w in weights])}
+        row["speedup"] = row["unfused_us"] / row["fused_us"]
+        print(f"  norm+{name:8s} {m} x {n:6d} x {h:5d}: norm kernel + gemv {row['unfused_us']:8.2f} us"
+              f"  fused {row['fused_us']:8.2f} us  {row['speedup']:.2f}x", flush=True)
+        rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _key(config: GemvConfig) -> str:
     return f"n{config.block_n}_k{config.block_k}_w{config.num_warps}_s{config.num_stages}"
 
@@ -202,6 +242,9 @@ def summary_rows(result: dict) -> list[dict]:
             rows.append({"shape": shape, "kernel": f"attention, {a['context']} keys", "rows": 1,
                          "unified_us": a["unified_us"], "best_split": best, "split_us": splits[best],
                          "split_speedup": a["unified_us"] / splits[best]})
+        for n in found.get("norm", []):
+            rows.append({"shape": shape, "kernel": f"norm + {n['site']}", "rows": n["rows"],
+                         "unfused_us": n["unfused_us"], "fused_us": n["fused_us"], "norm_speedup": n["speedup"]})
     return rows
 
 
@@ -210,6 +253,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="llama3-8b,qwen2.5-0.5b")
     parser.add_argument("--rows", default="1", help="comma-separated row counts of the projections (1, 2)")
     parser.add_argument("--chosen", action="store_true", help="time config_for's GEMV configuration only")
+    parser.add_argument("--norm", action="store_true", help="also time the norm-fused GEMV against norm + GEMV")
     parser.add_argument("--out", type=Path, default=Path("perf/results/decode-kernels-cuda.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -223,6 +267,9 @@ def main(argv=None) -> int:
         result["shapes"][name] = {"projections": [row for m in map(int, args.rows.split(","))
                                                   for row in projection_rows(cfg, torch.bfloat16, m, not args.chosen)],
                                   "attention": attention_rows(cfg, torch.bfloat16, cfg["num_hidden_layers"])}
+        if args.norm:
+            result["shapes"][name]["norm"] = [row for m in map(int, args.rows.split(","))
+                                              for row in norm_rows(cfg, torch.bfloat16, m)]
         result["rows"] = summary_rows(result)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -1,6 +1,7 @@
-"""``python -m perf.decode_step_profile [--model NAME] [--threads N] [--profile] [--root DIR]``:
+"""``python -m perf.decode_step_profile [--model NAME] [--batch N] [--threads N] [--profile]
+[--root DIR]``:
 one decode step of a cpu-peers checkpoint (perf/suites/cpu_peers.py; the Qwen2.5-0.5B-shaped
-model unless ``--model llama-24m``) at batch 64 with 192 prompt tokens per sequence, timed step by step through the engine, and with ``--profile`` the
+model unless ``--model llama-24m``) at batch 64 (``--batch``; the served CPU run keeps 16) with 192 prompt tokens per sequence, timed step by step through the engine, and with ``--profile`` the
 torch.profiler split of 6 steps by op (self CPU ms per step): packed_linear (the projections),
 aten::mm (a tied lm_head on BLAS before it had a kernel), paged_attention, the compiled graphs
 (norms, RoPE, SiLU), the sampler's argmax.
@@ -32,6 +33,7 @@ def _use_tree(root: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(CHECKPOINTS), default="qwen2-0.5b-shape")
+    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", action="store_true")
@@ -50,8 +52,8 @@ def main() -> None:
     path = envs.ensure_checkpoint(model.name, model.build)
     generator = torch.Generator().manual_seed(0)
     vocab = CHECKPOINTS[args.model]
-    prompts = [torch.randint(10, vocab - 2, (192,), generator=generator).tolist() for _ in range(64)]
-    system = VgraphSystem(path, "cpu", [Requests(prompts, [64] * 64)], compiled=True)
+    prompts = [torch.randint(10, vocab - 2, (192,), generator=generator).tolist() for _ in range(args.batch)]
+    system = VgraphSystem(path, "cpu", [Requests(prompts, [64] * args.batch)], compiled=True)
     engine = system.llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt},

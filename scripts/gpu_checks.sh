@@ -19,6 +19,8 @@
 #   profile-8b   the same on the 8B shape
 #   kernels      python -m perf.decode_kernels_ab (batch-1 projections: cuBLAS vs the Triton GEMV; decode attention splits)
 #   kernels-2    the same at one and two rows (batch 1 as the compiled forward pads it), config_for's GEMV only
+#   kernels-norm norm kernel + GEMV against the norm-fused GEMV at one and two rows (passes/norm_linear.py:
+#                whether that pass joins the defaults)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
@@ -122,6 +124,8 @@ run_step() {
     kernels) step kernels 240 "$PY" -m perf.decode_kernels_ab ;;
     kernels-2) step kernels-2 120 "$PY" -m perf.decode_kernels_ab --rows 1,2 --chosen \
       --out perf/results/decode-kernels-cuda-rows2.json ;;
+    kernels-norm) step kernels-norm 150 "$PY" -m perf.decode_kernels_ab --rows 1,2 --chosen --norm \
+      --out perf/results/decode-kernels-cuda-norm.json ;;
     e2e) step e2e 400 "$PY" -m perf run e2e --device cuda --quick ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without

@@ -26,6 +26,16 @@ weight are read by the same program (feature j's rows j and j + d), and the prog
 ``silu(gate) * up`` directly: the activation kernel and its [1, 2d] round trip are gone. The
 two dot products are rounded to the output dtype before the activation, as the unfused pair
 (projection, then ``silu_and_mul``) rounds them.
+
+RMSNorm prologue (``rms_norm_gemv_triton``, for ``vgraph::rms_norm_linear`` and
+``vgraph::fused_add_rms_norm_linear``): the projection's input is the RMSNorm of x (plus a
+residual), computed inside the kernel instead of by a norm kernel before it. Every program
+sums the squares of the whole row itself (one pass over ``K`` elements it then reads again
+from L2: 8 KB of bf16 for a 4096-wide model, next to the program's 64-256 KB of weight rows)
+and normalizes each ``BLOCK_K`` slice as it loads it, with the norm kernel's roundings
+(``norm._load_input``, ``norm._normalize``); program 0 also writes the new residual. What it
+saves at one row is the norm's launch and its [1, K] round trip: two kernels of a decoder
+layer's ~11 (the 0.5B shape's 24 layers are launch-bound, module ops/dense_linear.py).
 """
 from __future__ import annotations
 
@@ -37,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .host import GEMV_MAX_ROWS
+from .norm import _load_input, _normalize
 
 
 @dataclass(frozen=True)
@@ -75,22 +86,72 @@ def _load_w(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store_until,
+              HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """1 / rms of one row of x (+ residual, rounded as the norm kernel rounds it), summed as
+    the norm kernel's chunked form sums it; writes the new residual's first ``store_until``
+    elements (K in one program, 0 in the others)."""
+    sum_sq = tl.zeros([BLOCK_K], tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = k < K
+        h = _load_input(x_ptr, res_ptr, res_out_ptr, k, mask, HAS_RESIDUAL, False)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + k, h.to(res_out_ptr.dtype.element_ty), mask=k < store_until)
+        sum_sq += h * h
+    return 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _load_row(x_ptr, res_ptr, nw_ptr, k, K, rstd, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+              HAS_RESIDUAL: tl.constexpr):
+    """A [1, BLOCK_K] slice of the projection's input row: x, or its RMSNorm (``rstd`` from
+    ``_row_rstd``) rounded to x's dtype as the norm kernel's output is."""
+    if NORM:
+        mask = k < K
+        h = _load_input(x_ptr, res_ptr, res_ptr, k, mask, HAS_RESIDUAL, False)
+        return _normalize(h, rstd, nw_ptr, k, mask, x_ptr.dtype.element_ty)[None, :]
+    return _load_x(x_ptr, k, K, EVEN_K)
+
+
+@triton.jit
+def _rstd_pair(x_ptr, res_ptr, res_out_ptr, K, eps, stride_xm, NORM: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Both rows' ``_row_rstd`` (1 where there is no norm or no second row); program 0 writes
+    the new residual."""
+    rstd0 = 1.0
+    rstd1 = 1.0
+    if NORM:
+        store_until = tl.where(tl.program_id(0) == 0, K, 0)
+        rstd0 = _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store_until, HAS_RESIDUAL, BLOCK_K)
+        if TWO_ROWS:
+            rstd1 = _row_rstd(x_ptr + stride_xm, res_ptr + stride_xm, res_out_ptr + stride_xm, K, eps,
+                              store_until, HAS_RESIDUAL, BLOCK_K)
+    return rstd0, rstd1
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_ym,
+                 res_ptr, nw_ptr, res_out_ptr, eps,
                  HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr):
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn  # clamped: no mask on W loads
     offs_k = tl.arange(0, BLOCK_K)
+    rstd0, rstd1 = _rstd_pair(x_ptr, res_ptr, res_out_ptr, K, eps, stride_xm, NORM, HAS_RESIDUAL, TWO_ROWS,
+                              BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if TWO_ROWS:
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + offs_k
         w = _load_w(w_ptr, rows, k, K, EVEN_K)
-        acc0 += w * _load_x(x_ptr, k, K, EVEN_K)
+        acc0 += w * _load_row(x_ptr, res_ptr, nw_ptr, k, K, rstd0, EVEN_K, NORM, HAS_RESIDUAL)
         if TWO_ROWS:  # the second row reuses the weight tile: the weight is read once
-            acc1 += w * _load_x(x_ptr + stride_xm, k, K, EVEN_K)
+            acc1 += w * _load_row(x_ptr + stride_xm, res_ptr + stride_xm, nw_ptr, k, K, rstd1, EVEN_K, NORM,
+                                  HAS_RESIDUAL)
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -109,14 +170,18 @@ def _swiglu(gate, up, out_ty: tl.constexpr):
 
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_ym,
+                          res_ptr, nw_ptr, res_out_ptr, eps,
                           HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+                          HAS_RESIDUAL: tl.constexpr):
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # N: the activation's width
     n_mask = offs_n < N
     feature = tl.where(n_mask, offs_n, 0).to(tl.int64)
     gate_rows = feature * stride_wn
     up_rows = (feature + N) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    rstd0, rstd1 = _rstd_pair(x_ptr, res_ptr, res_out_ptr, K, eps, stride_xm, NORM, HAS_RESIDUAL, TWO_ROWS,
+                              BLOCK_K)
     gate0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     if TWO_ROWS:
@@ -126,11 +191,12 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm
         k = kb * BLOCK_K + offs_k
         w_gate = _load_w(w_ptr, gate_rows, k, K, EVEN_K)
         w_up = _load_w(w_ptr, up_rows, k, K, EVEN_K)
-        x0 = _load_x(x_ptr, k, K, EVEN_K)
+        x0 = _load_row(x_ptr, res_ptr, nw_ptr, k, K, rstd0, EVEN_K, NORM, HAS_RESIDUAL)
         gate0 += w_gate * x0
         up0 += w_up * x0
         if TWO_ROWS:
-            x1 = _load_x(x_ptr + stride_xm, k, K, EVEN_K)
+            x1 = _load_row(x_ptr + stride_xm, res_ptr + stride_xm, nw_ptr, k, K, rstd1, EVEN_K, NORM,
+                           HAS_RESIDUAL)
             gate1 += w_gate * x1
             up1 += w_up * x1
     gate_bias = tl.zeros([BLOCK_N], tl.float32)
@@ -154,6 +220,15 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError("gemv wants a weight and an x contiguous along K")
 
 
+@dataclass(frozen=True)
+class NormPrologue:
+    """The RMSNorm a GEMV applies to its input first: ``weight``, ``eps``, and the residual
+    added before it (``None``: a plain ``rms_norm``)."""
+    weight: torch.Tensor
+    eps: float
+    residual: Optional[torch.Tensor] = None
+
+
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 config: Optional[GemvConfig] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T (+ bias[N])`` -> ``[M, N]`` in x's dtype, M = 1 or 2;
@@ -171,23 +246,56 @@ def gemv_silu_mul_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     ``config`` defaults to ``config_for`` the stacked weight, with half its rows per program
     (each program reads a gate row and an up row per feature)."""
     _check_rows(x, weight)
-    rows, k = weight.shape
-    if rows % 2:
-        raise ValueError(f"a [gate | up] weight has an even row count; got {rows}")
-    d = rows // 2
-    if config is None:
-        stacked = config_for(rows, k, x.shape[0])
-        config = GemvConfig(max(stacked.block_n // 2, 2), stacked.block_k, stacked.num_warps, stacked.num_stages)
-    return _launch(_gemv_silu_mul_kernel, x, weight, bias, d, config, out)
+    return _launch(_gemv_silu_mul_kernel, x, weight, bias, _half_rows(weight), config or _swiglu_config(weight, x),
+                   out)
+
+
+def rms_norm_gemv_triton(x: torch.Tensor, norm: NormPrologue, weight: torch.Tensor,
+                         bias: Optional[torch.Tensor] = None, silu_mul: bool = False,
+                         config: Optional[GemvConfig] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``gemv_triton`` (``silu_mul``: ``gemv_silu_mul_triton``) of the RMSNorm of ``x`` (+
+    ``norm.residual``); returns the projection and the new residual ``x + residual`` (``None``
+    without a residual)."""
+    _check_rows(x, weight)
+    if norm.weight.shape != (x.shape[1],) or (norm.residual is not None and norm.residual.shape != x.shape):
+        raise ValueError(f"the norm wants a weight [{x.shape[1]}] and a residual {tuple(x.shape)}; got "
+                         f"{tuple(norm.weight.shape)}, {None if norm.residual is None else tuple(norm.residual.shape)}")
+    if not x.is_contiguous() or (norm.residual is not None and not norm.residual.is_contiguous()):
+        raise ValueError("the fused norm wants x and the residual contiguous")
+    if silu_mul:
+        kernel, width, config = _gemv_silu_mul_kernel, _half_rows(weight), config or _swiglu_config(weight, x)
+    else:
+        kernel, width, config = _gemv_kernel, weight.shape[0], config or config_for(*weight.shape, x.shape[0])
+    residual_out = None if norm.residual is None else torch.empty_like(x)
+    y = _launch(kernel, x, weight, bias, width, config, None, norm, residual_out)
+    return y, residual_out
+
+
+def _half_rows(weight: torch.Tensor) -> int:
+    if weight.shape[0] % 2:
+        raise ValueError(f"a [gate | up] weight has an even row count; got {weight.shape[0]}")
+    return weight.shape[0] // 2
+
+
+def _swiglu_config(weight: torch.Tensor, x: torch.Tensor) -> GemvConfig:
+    stacked = config_for(weight.shape[0], weight.shape[1], x.shape[0])
+    return GemvConfig(max(stacked.block_n // 2, 2), stacked.block_k, stacked.num_warps, stacked.num_stages)
 
 
 def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], width: int,
-            config: GemvConfig, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """Either kernel over ``width`` outputs a row (a program per ``config.block_n`` of them)."""
+            config: GemvConfig, out: Optional[torch.Tensor], norm: Optional[NormPrologue] = None,
+            residual_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Either kernel over ``width`` outputs a row (a program per ``config.block_n`` of them),
+    with the RMSNorm prologue when ``norm`` is given (``residual_out``: where program 0 writes
+    the new residual)."""
     k = weight.shape[1]
     y = torch.empty((x.shape[0], width), dtype=x.dtype, device=x.device) if out is None else out
+    residual = x if norm is None or norm.residual is None else norm.residual
     kernel[(triton.cdiv(width, config.block_n),)](
         x, weight, weight if bias is None else bias, y, width, k, weight.stride(0), x.stride(0), y.stride(0),
+        residual, x if norm is None else norm.weight, residual if residual_out is None else residual_out,
+        0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=config.num_stages)
+        EVEN_K=k % config.block_k == 0, NORM=norm is not None, HAS_RESIDUAL=residual_out is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return y

@@ -30,6 +30,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from tests.ops.launches import Launch, as_jit_function, recording
+from vgraph.ops import dense_linear
 from vgraph.ops.kernels import activation, attention, fp8, gemv, kv_cache, lora, norm
 
 ARCH = 90
@@ -182,6 +183,18 @@ def _gemv_cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
             x, w = torch.empty(rows, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
             out.append((f"gemv+silu {rows}x{n}x{k}", gemv, ["_gemv_silu_mul_kernel"],
                         lambda x=x, w=w: gemv.gemv_silu_mul_triton(x, w)))
+    # The RMSNorm prologue (passes/norm_linear.py): the two sites of a layer, with and without
+    # the residual add, at the row counts whose calls take the kernel (dense_linear.takes_gemv).
+    for n, k, silu_mul, residual in [(6144, 4096, False, True), (28672, 4096, True, True), (1152, 896, False, False),
+                                     (9728, 896, True, True)]:
+        for rows in (1, 2):
+            x, w = torch.empty(rows, k, dtype=bf16), torch.empty(n, k, dtype=bf16)
+            if not dense_linear.takes_gemv(x, w):
+                continue
+            norm = gemv.NormPrologue(torch.empty(k, dtype=bf16), 1e-6, torch.empty(rows, k, dtype=bf16) if residual else None)
+            out.append((f"norm+gemv{'+silu' if silu_mul else ''} {rows}x{n}x{k}", gemv,
+                        ["_gemv_silu_mul_kernel" if silu_mul else "_gemv_kernel"],
+                        lambda x=x, w=w, norm=norm, silu_mul=silu_mul: gemv.rms_norm_gemv_triton(x, norm, w, None, silu_mul)))
     return out
 
 

@@ -1,5 +1,6 @@
-"""``vgraph::linear`` / ``vgraph::linear_silu_and_mul`` and the one-row GEMV kernels behind their
-CUDA implementations (interpreted on CPU, compiled on a GPU)."""
+"""``vgraph::linear`` / ``vgraph::linear_silu_and_mul``, the RMSNorm-fused forms
+(``vgraph::rms_norm_linear``, ``vgraph::fused_add_rms_norm_linear``) and the one-row GEMV kernels
+behind their CUDA implementations (interpreted on CPU, compiled on a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from vgraph.ops import dense_linear
-from vgraph.ops.kernels.gemv import GemvConfig, config_for, gemv_silu_mul_triton, gemv_triton
+from vgraph.ops.kernels.gemv import (GemvConfig, NormPrologue, config_for, gemv_silu_mul_triton, gemv_triton,
+                                     rms_norm_gemv_triton)
+from vgraph.ops.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 # Small shapes through each launch configuration config_for can pick: rows that do not fill
 # the last program, K that does and does not divide the block.
@@ -125,3 +128,90 @@ def test_cuda_ops_agree_with_the_library(rows):
     torch.testing.assert_close(torch.ops.vgraph.linear(x, w, b), F.linear(x, w, b), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(torch.ops.vgraph.linear_silu_and_mul(x, w, b),
                                torch.ops.vgraph.silu_and_mul(F.linear(x, w, b)), atol=2e-2, rtol=2e-2)
+
+
+def _norm_case(rows: int, n: int, k: int, dtype: torch.dtype, residual: bool, silu_mul: bool):
+    x = torch.randn(rows, k, dtype=dtype)
+    r = torch.randn(rows, k, dtype=dtype) if residual else None
+    norm_w = (1 + 0.1 * torch.randn(k)).to(dtype)
+    w = (torch.randn(2 * n if silu_mul else n, k) / k ** 0.5).to(dtype)
+    return x, r, norm_w, w, torch.randn(w.shape[0], dtype=dtype)
+
+
+def _unfused(x, r, norm_w, w, b, silu_mul):
+    """The norm then the projection, by the references: what the fused forms must compute."""
+    normed, new_r = (rms_norm_reference(x, norm_w, 1e-6), None) if r is None else \
+        fused_add_rms_norm_reference(x, r, norm_w, 1e-6)
+    out = dense_linear.linear_silu_and_mul_reference(normed, w, b) if silu_mul else F.linear(normed, w, b)
+    return out, new_r
+
+
+@pytest.mark.parametrize("config", [None, GemvConfig(4, 256, 4)], ids=["default", "n4k256"])
+@pytest.mark.parametrize("n,k", [(37, 300), (20, 512 + 96)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_prologue_matches_the_norm_then_the_projection(kernel_device, config, n, k, residual, silu_mul,
+                                                            rows, dtype):
+    """The kernel normalizes each row itself (sums of squares over K slices, the norm kernel's
+    roundings); program 0 writes the new residual, bit for bit ``x + residual``."""
+    x, r, norm_w, w, b = _norm_case(rows, n, k, dtype, residual, silu_mul)
+    on = lambda t: None if t is None else t.to(kernel_device)  # noqa: E731
+    got, new_r = rms_norm_gemv_triton(on(x), NormPrologue(on(norm_w), 1e-6, on(r)), on(w), on(b), silu_mul, config)
+    expected, expected_r = _unfused(x, r, norm_w, w, b, silu_mul)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+    assert (new_r is None) == (r is None)
+    if r is not None:
+        assert torch.equal(new_r.cpu(), expected_r)
+
+
+def test_norm_prologue_refuses_mismatched_inputs():
+    x, w = torch.randn(1, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="norm wants"):
+        rms_norm_gemv_triton(x, NormPrologue(torch.ones(15), 1e-6), w)
+    with pytest.raises(ValueError, match="norm wants"):
+        rms_norm_gemv_triton(x, NormPrologue(torch.ones(16), 1e-6, torch.randn(2, 16)), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm_gemv_triton(torch.randn(1, 32)[:, ::2], NormPrologue(torch.ones(16), 1e-6), w)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_norm_linear_ops_on_cpu_are_the_two_ops(rows, silu_mul):
+    x, r, norm_w, w, b = _norm_case(rows, 20, 48, torch.float32, True, silu_mul)
+    expected, expected_r = _unfused(x, None, norm_w, w, b, silu_mul)
+    torch.testing.assert_close(torch.ops.vgraph.rms_norm_linear(x, norm_w, 1e-6, w, b, silu_mul), expected)
+    (expected, expected_r) = _unfused(x, r, norm_w, w, b, silu_mul)
+    out, new_r = torch.ops.vgraph.fused_add_rms_norm_linear(x, r, norm_w, 1e-6, w, b, silu_mul)
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(new_r, expected_r)
+
+
+def test_norm_linear_opcheck_and_bad_shapes():
+    x, r, norm_w, w, b = _norm_case(2, 20, 48, torch.float32, True, True)
+    torch.library.opcheck(torch.ops.vgraph.rms_norm_linear.default, (x, norm_w, 1e-6, w, b, True))
+    torch.library.opcheck(torch.ops.vgraph.fused_add_rms_norm_linear.default, (x, r, norm_w, 1e-6, w, None, False))
+    with pytest.raises(ValueError, match="norm weight"):
+        torch.ops.vgraph.rms_norm_linear(x, torch.ones(47), 1e-6, w, b, True)
+    with pytest.raises(ValueError, match="even"):
+        torch.ops.vgraph.rms_norm_linear(x, norm_w, 1e-6, torch.randn(5, 48), None, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_cuda_norm_linear_ops_agree_with_the_two_ops(rows, silu_mul):
+    """One or two rows run the norm inside the GEMV, more rows the norm kernel then the
+    projection's own path; both agree with the unfused pair, and the residual is exact."""
+    x, r, norm_w, w, b = (t.cuda() for t in _norm_case(rows, 576, 896, torch.bfloat16, True, silu_mul))
+    normed, expected_r = torch.ops.vgraph.fused_add_rms_norm(x, r, norm_w, 1e-6)
+    project = torch.ops.vgraph.linear_silu_and_mul if silu_mul else torch.ops.vgraph.linear
+    out, new_r = torch.ops.vgraph.fused_add_rms_norm_linear(x, r, norm_w, 1e-6, w, b, silu_mul)
+    torch.testing.assert_close(out, project(normed, w, b), atol=2e-2, rtol=2e-2)
+    assert torch.equal(new_r, expected_r)
+    torch.testing.assert_close(torch.ops.vgraph.rms_norm_linear(x, norm_w, 1e-6, w, b, silu_mul),
+                               project(torch.ops.vgraph.rms_norm(x, norm_w, 1e-6), w, b), atol=2e-2, rtol=2e-2)
+

@@ -140,3 +140,36 @@ def test_cache_hit_skips_passes():
         assert run(PassManager([RMSNormQuantFusionPass()])) == 0          # hit: pass skipped
         assert run(PassManager([RMSNormQuantFusionPass(dynamic=False)])) == 1  # new uuid: miss
     torch._dynamo.reset()
+
+
+def test_norm_linear_fusion_in_a_compiled_decoder():
+    """NormLinearFusionPass inside torch.compile (dynamic token dim): a 16-bit CUDA model's
+    norm -> projection sites, with the residual stream threaded through; outputs equal eager."""
+    from vgraph.passes import NormLinearFusionPass
+    torch._dynamo.reset()
+    qkv, gate_up, down = torch.randn(3 * HIDDEN, HIDDEN), torch.randn(4 * HIDDEN, HIDDEN), torch.randn(HIDDEN, 2 * HIDDEN)
+    norm_w = torch.randn(2 * LAYERS + 1, HIDDEN)
+
+    def decoder(x):
+        h, residual = V.rms_norm(x, norm_w[0], EPS), x
+        for layer in range(LAYERS):
+            if layer:
+                h, residual = V.fused_add_rms_norm(h, residual, norm_w[2 * layer], EPS)
+            attn = V.linear(h, qkv, None)[:, :HIDDEN]
+            h, residual = V.fused_add_rms_norm(attn, residual, norm_w[2 * layer + 1], EPS)
+            h = V.linear(V.linear_silu_and_mul(h, gate_up, None), down, None)
+        return V.fused_add_rms_norm(h, residual, norm_w[-1], EPS)[0]
+
+    recorder, fusion = GraphRecorder(), NormLinearFusionPass()
+    compiled = torch.compile(decoder, fullgraph=True)
+    x = torch.randn(5, HIDDEN)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=PassManager([fusion, recorder]),
+                                      fx_graph_cache=False):
+        compiled(x)
+    assert dict(fusion.pattern_counts) == {"rms_norm_linear": 1, "fused_add_rms_norm_linear": 2 * LAYERS - 1}
+    assert recorder.counts[V.rms_norm.default] == 0 and recorder.counts[V.fused_add_rms_norm.default] == 1
+    for tokens in (1, 7):
+        x = torch.randn(tokens, HIDDEN)
+        assert_outputs_match(compiled(x), decoder(x))
+    torch._dynamo.reset()

@@ -1,0 +1,129 @@
+"""RMSNorm + projection fusion: the norm runs inside the projection's one-row GEMV.
+
+Patterns, as they appear in the post-grad graph of a 16-bit model on CUDA, whose projections
+are ``vgraph::linear`` (and ``vgraph::linear_silu_and_mul`` for an MLP's gate_up)::
+
+    linear(rms_norm(x, w, eps), W, b)                  => rms_norm_linear(x, w, eps, W, b, False)
+    linear_silu_and_mul(rms_norm(x, w, eps), W, b)     => rms_norm_linear(x, w, eps, W, b, True)
+    linear(fused_add_rms_norm(x, r, w, eps)[0], W, b)  => fused_add_rms_norm_linear(x, r, w, eps, W, b, False)[0]
+        (and [1], the new residual, keeps its readers; the same with linear_silu_and_mul)
+
+In a Llama-shaped decoder layer these are the input norm before the qkv projection and the
+post-attention norm before gate_up: two of the ~11 kernels of a batch-1 decode step's layer.
+The fused ops are the two ops in turn wherever the projection does not take the GEMV kernel
+(ops/dense_linear.py), so the pass never changes a result, only how many kernels a one- or
+two-row step launches.
+
+Why it is not among the default passes: the fused kernel has every program normalize the
+whole row itself (ops/kernels/gemv.py), which trades a launch for re-reads of the row from
+L2, and on which side of even that lands per shape has not been measured on a GPU yet (run
+``python -m perf.decode_kernels_ab --norm`` there, or ``bash scripts/gpu_checks.sh
+kernels-norm``). Until then it is a pass to add: ``--pass
+vgraph.passes.norm_linear:NormLinearFusionPass`` (``CompileConfig(passes=[...])``).
+
+The norm's output must have the projection as its only user, as its ``x`` argument: with a
+LoRA adapter on the projection, or anything else reading the normed row, the norm has to
+run anyway.
+"""
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
+
+from .base import VgraphPass
+from .fx_utils import (copy_meta, fused_insertion_point, getitem_users, is_call, node_order, only_user,
+                       op_args, op_name)
+
+_vg = torch.ops.vgraph
+RMS_NORM = _vg.rms_norm.default
+FUSED_ADD_RMS_NORM = _vg.fused_add_rms_norm.default
+PROJECTIONS = {_vg.linear.default: False, _vg.linear_silu_and_mul.default: True}  # op -> silu_mul
+RMS_NORM_LINEAR = _vg.rms_norm_linear.default
+FUSED_ADD_RMS_NORM_LINEAR = _vg.fused_add_rms_norm_linear.default
+
+
+class NormLinearFusionPass(VgraphPass):
+    """Fuses ``rms_norm`` / ``fused_add_rms_norm`` into the projection that alone reads their
+    output (module doc)."""
+
+    def config(self) -> dict[str, Any]:
+        return {}
+
+    def apply(self, graph: Graph) -> Counter:
+        order = node_order(graph)
+        counts: Counter = Counter()
+        # Each match owns a distinct norm (the projection is its only user), so rewriting one
+        # never touches another candidate; positions of the remaining nodes stay ordered.
+        for projection in [node for node in graph.nodes if is_call(node, *PROJECTIONS)]:
+            fused = self._fuse(graph, projection, order)
+            if fused is not None:
+                counts[fused] += 1
+        return counts
+
+    def _fuse(self, graph: Graph, projection: Node, order: dict[Node, int]) -> Optional[str]:
+        src = op_args(projection)["x"]
+        if only_user(src) is not projection:
+            return None
+        if is_call(src, RMS_NORM):
+            return _fuse_rms_norm(graph, src, projection)
+        if is_call(src, operator.getitem):
+            return _fuse_add_rms_norm(graph, src, projection, order)
+        return None
+
+
+def _projection_args(projection: Node) -> tuple[Any, Any, bool]:
+    args = op_args(projection)
+    return args["weight"], args["bias"], PROJECTIONS[projection.target]
+
+
+def _fuse_rms_norm(graph: Graph, norm: Node, projection: Node) -> str:
+    """``proj(rms_norm(x, w, eps))`` -> ``rms_norm_linear``, at the projection (its weight and
+    bias exist there; the norm's inputs exist since the norm)."""
+    norm_args = op_args(norm)
+    weight, bias, silu_mul = _projection_args(projection)
+    with graph.inserting_before(projection):
+        fused = graph.call_function(RMS_NORM_LINEAR, (norm_args["x"], norm_args["weight"], norm_args["eps"],
+                                                      weight, bias, silu_mul))
+    copy_meta(projection, fused)
+    projection.replace_all_uses_with(fused)
+    graph.erase_node(projection)
+    graph.erase_node(norm)
+    return op_name(RMS_NORM_LINEAR)
+
+
+def _fuse_add_rms_norm(graph: Graph, normed: Node, projection: Node, order: dict[Node, int]) -> Optional[str]:
+    """``proj(fused_add_rms_norm(x, r, w, eps)[0])``, the new residual read by anyone."""
+    norm, index = normed.args
+    if not is_call(norm, FUSED_ADD_RMS_NORM) or index != 0:
+        return None
+    outputs = getitem_users(norm)
+    if outputs is None or len(outputs.get(0, [])) != 1 or set(outputs) - {0, 1}:
+        return None
+    residual_reads = outputs.get(1, [])
+    norm_args = op_args(norm)
+    weight, bias, silu_mul = _projection_args(projection)
+    where = fused_insertion_point(norm, projection, [weight, bias], residual_reads, order)
+    if where is None:
+        return None
+    with graph.inserting_before(where):
+        fused = graph.call_function(FUSED_ADD_RMS_NORM_LINEAR, (
+            norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], weight, bias, silu_mul))
+        out = graph.call_function(operator.getitem, (fused, 0))
+        new_residual = graph.call_function(operator.getitem, (fused, 1)) if residual_reads else None
+    if "val" in projection.meta and "val" in norm.meta:
+        fused.meta["val"] = (projection.meta["val"], norm.meta["val"][1])
+    copy_meta(projection, out)
+    projection.replace_all_uses_with(out)
+    for read in residual_reads:
+        copy_meta(read, new_residual)
+        read.replace_all_uses_with(new_residual)
+        graph.erase_node(read)
+    for node in (projection, normed, norm):
+        graph.erase_node(node)
+    return op_name(FUSED_ADD_RMS_NORM_LINEAR)
