@@ -173,7 +173,10 @@ def fused_insertion_point(first: Node, last: Node, inputs: Sequence[Any], early_
     if all(defined_before(arg, first, order) for arg in inputs):
         return first
     users = [user for read in early_reads for user in read.users]
-    if all(order.get(user, len(order)) > order[last] for user in users):
+    # A user missing from ``order`` was made by an earlier rewrite of the same pass, anywhere
+    # in the graph: taken as before ``last``, which skips the pattern rather than risk a use
+    # ahead of its definition.
+    if all(order.get(user, -1) > order[last] for user in users):
         return last
     return None
 

@@ -11,8 +11,9 @@ are ``vgraph::linear`` (and ``vgraph::linear_silu_and_mul`` for an MLP's gate_up
 In a Llama-shaped decoder layer these are the input norm before the qkv projection and the
 post-attention norm before gate_up: two of the ~11 kernels of a batch-1 decode step's layer.
 The fused ops are the two ops in turn wherever the projection does not take the GEMV kernel
-(ops/dense_linear.py), so the pass never changes a result, only how many kernels a one- or
-two-row step launches.
+(ops/dense_linear.py). Where it does, the kernel rounds as the norm kernel does but adds the
+row's squares in another order, so a result can move in its last bit, as any change of the
+GEMV's summation order would.
 
 Why it is not among the default passes: the fused kernel has every program normalize the
 whole row itself (ops/kernels/gemv.py), which trades a launch for re-reads of the row from
@@ -67,8 +68,11 @@ class NormLinearFusionPass(VgraphPass):
         return counts
 
     def _fuse(self, graph: Graph, projection: Node, order: dict[Node, int]) -> Optional[str]:
-        src = op_args(projection)["x"]
-        if only_user(src) is not projection:
+        args = op_args(projection)
+        src = args["x"]
+        # One user counts once however many of its arguments it takes: the normed row must
+        # be the projection's input only, not its weight or bias too.
+        if only_user(src) is not projection or src is args["weight"] or src is args["bias"]:
             return None
         if is_call(src, RMS_NORM):
             return _fuse_rms_norm(graph, src, projection)

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from vgraph.ops.dense_linear import takes_gemv
 from vgraph.ops.kernels.attention import (paged_attention_decode_split_kv_triton,
                                           paged_attention_triton)
 from vgraph.ops.kernels.gemv import (GemvConfig, NormPrologue, config_for, gemv_silu_mul_triton, gemv_triton,
@@ -156,12 +157,15 @@ def swiglu_rows(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor)
 
 def norm_rows(cfg: dict, dtype: torch.dtype, m: int) -> list[dict]:
     """Residual add + RMSNorm then the qkv GEMV, and then the gate_up + SwiGLU GEMV: the norm
-    kernel and the GEMV against the GEMV with the norm inside, at ``m`` rows."""
+    kernel and the GEMV against the GEMV with the norm inside, at ``m`` rows (the sites whose
+    call takes the GEMV at that row count)."""
     from vgraph.ops.kernels.norm import rms_norm_triton
     h = cfg["hidden_size"]
     sites = {name: (n, name == "gate_up") for name, n, _, _ in projections(cfg) if name in ("qkv", "gate_up")}
     rows = []
     for name, (n, silu_mul) in sites.items():
+        if not takes_gemv(torch.empty(m, h, dtype=dtype, device="meta"), torch.empty(n, h, dtype=dtype, device="meta")):
+            continue  # the model sends this call to the library, where the fused op is the pair
         copies = copies_for(n * h * torch.finfo(dtype).bits // 8)
         weights = [torch.randn(n, h, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
         x, residual = torch.randn(m, h, device="cuda", dtype=dtype), torch.randn(m, h, device="cuda", dtype=dtype)

@@ -33,7 +33,8 @@ residual), computed inside the kernel instead of by a norm kernel before it. Eve
 sums the squares of the whole row itself (one pass over ``K`` elements it then reads again
 from L2: 8 KB of bf16 for a 4096-wide model, next to the program's 64-256 KB of weight rows)
 and normalizes each ``BLOCK_K`` slice as it loads it, with the norm kernel's roundings
-(``norm._load_input``, ``norm._normalize``); program 0 also writes the new residual. What it
+(``norm._load_input``, ``norm._normalize``; the squares add in another order, so a value can
+differ from the unfused pair's in its last bit); program 0 also writes the new residual. What it
 saves at one row is the norm's launch and its [1, K] round trip: two kernels of a decoder
 layer's ~11 (the 0.5B shape's 24 layers are launch-bound, module ops/dense_linear.py).
 """
@@ -88,9 +89,10 @@ def _load_w(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
 @triton.jit
 def _row_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, store_until,
               HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of one row of x (+ residual, rounded as the norm kernel rounds it), summed as
-    the norm kernel's chunked form sums it; writes the new residual's first ``store_until``
-    elements (K in one program, 0 in the others)."""
+    """1 / rms of one row of x (+ residual, rounded as the norm kernel rounds it), as sums of
+    ``BLOCK_K``-wide partials (the norm kernel's block is wider, so the order differs: rstd
+    can differ in its last bit); writes the new residual's first ``store_until`` elements (K
+    in one program, 0 in the others)."""
     sum_sq = tl.zeros([BLOCK_K], tl.float32)
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -267,6 +269,7 @@ def rms_norm_gemv_triton(x: torch.Tensor, norm: NormPrologue, weight: torch.Tens
     else:
         kernel, width, config = _gemv_kernel, weight.shape[0], config or config_for(*weight.shape, x.shape[0])
     residual_out = None if norm.residual is None else torch.empty_like(x)
+    norm = NormPrologue(norm.weight.contiguous(), norm.eps, norm.residual)  # the kernel reads it at unit stride
     y = _launch(kernel, x, weight, bias, width, config, None, norm, residual_out)
     return y, residual_out
 

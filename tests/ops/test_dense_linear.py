@@ -167,6 +167,15 @@ def test_norm_prologue_matches_the_norm_then_the_projection(kernel_device, confi
         assert torch.equal(new_r.cpu(), expected_r)
 
 
+def test_norm_prologue_reads_a_strided_norm_weight(kernel_device):
+    """The norm kernel takes any 1-D weight (it makes it contiguous); so does the prologue."""
+    x, r, _, w, b = _norm_case(1, 20, 300, torch.float32, True, False)
+    norm_w = (1 + 0.1 * torch.randn(600))[::2]
+    on = lambda t: t.to(kernel_device)  # noqa: E731
+    got, _ = rms_norm_gemv_triton(on(x), NormPrologue(on(norm_w), 1e-6, on(r)), on(w), on(b))
+    torch.testing.assert_close(got.cpu(), _unfused(x, r, norm_w, w, b, False)[0], atol=1e-4, rtol=1e-4)
+
+
 def test_norm_prologue_refuses_mismatched_inputs():
     x, w = torch.randn(1, 16), torch.randn(8, 16)
     with pytest.raises(ValueError, match="norm wants"):

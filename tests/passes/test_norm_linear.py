@@ -100,6 +100,21 @@ def test_the_norm_as_the_weight_argument_is_left_alone():
     assert counts[V.rms_norm.default] == 1 and counts[V.rms_norm_linear.default] == 0
 
 
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_the_normed_row_as_input_and_weight_is_left_alone(with_residual):
+    """``linear(h, h)``: one user that takes the normed row twice; fusing would leave the
+    weight argument reading an erased node."""
+    x, r, nw, _, _ = inputs(torch.float32, tokens=32, hidden=32)
+
+    def f(x, r, nw):
+        h = V.fused_add_rms_norm(x, r, nw, EPS)[0] if with_residual else V.rms_norm(x, nw, EPS)
+        return V.linear(h, h, None)
+
+    p = NormLinearFusionPass()
+    counts = check_pass(p, f, x, r, nw)
+    assert p.matched_count == 0 and counts[V.linear.default] == 1
+
+
 def test_a_residual_read_before_the_projection_with_a_late_weight():
     """The projection's weight is computed after the norm and the new residual is read in
     between: no place exists for the fused op, so nothing changes."""
