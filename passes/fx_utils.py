@@ -21,6 +21,7 @@ The rules a rewrite follows (each helper below serves one of them):
 - decide shapes without guards: ``known_equal`` / ``known_at_least`` answer "provably",
   so a symbolic size never adds a recompile condition;
 - insert where every input exists: ``node_order``, ``defined_before``, ``fused_insertion_point``;
+- rewrite a consumer of a two-output op's first output: ``pair_reads``, ``replace_pair``;
 - give the new node the replaced node's ``meta`` (``copy_meta``): later Inductor passes and
   lowering read ``meta["val"]``;
 - erase what became dead (``erase_dead``), users first, and return match counts per pattern
@@ -179,6 +180,43 @@ def fused_insertion_point(first: Node, last: Node, inputs: Sequence[Any], early_
     if all(order.get(user, -1) > order[last] for user in users):
         return last
     return None
+
+
+def pair_reads(first: Node, producer_target: Any) -> Optional[tuple[Node, list[Node]]]:
+    """For ``first`` = ``producer(...)[0]`` of a two-output op (``fused_add_rms_norm``'s normed
+    row and new residual): the producer and the reads of its output 1, when ``first`` is the
+    only read of output 0 and nothing else uses the tuple; else None."""
+    if not is_call(first, operator.getitem):
+        return None
+    producer, index = first.args
+    if not is_call(producer, producer_target) or index != 0:
+        return None
+    outputs = getitem_users(producer)
+    if outputs is None or len(outputs.get(0, [])) != 1 or set(outputs) - {0, 1}:
+        return None
+    return producer, outputs.get(1, [])
+
+
+def replace_pair(graph: Graph, first: Node, consumer: Node, target: Any, args: tuple,
+                 second_reads: list[Node], where: Node) -> None:
+    """Replaces ``consumer(producer(...)[0])`` (``pair_reads`` found ``second_reads``) with
+    ``target(*args)``, a two-output op inserted before ``where``: its output 0 takes the
+    consumer's uses and its output 1 those of ``second_reads``; the old nodes are erased."""
+    producer = first.args[0]
+    with graph.inserting_before(where):
+        fused = graph.call_function(target, args)
+        out = graph.call_function(operator.getitem, (fused, 0))
+        second = graph.call_function(operator.getitem, (fused, 1)) if second_reads else None
+    if "val" in consumer.meta and "val" in producer.meta:
+        fused.meta["val"] = (consumer.meta["val"], producer.meta["val"][1])
+    copy_meta(consumer, out)
+    consumer.replace_all_uses_with(out)
+    for read in second_reads:
+        copy_meta(read, second)
+        read.replace_all_uses_with(second)
+        graph.erase_node(read)
+    for node in (consumer, first, producer):
+        graph.erase_node(node)
 
 
 def copy_meta(src: Node, dst: Node) -> None:

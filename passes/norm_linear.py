@@ -28,7 +28,6 @@ run anyway.
 """
 from __future__ import annotations
 
-import operator
 from collections import Counter
 from typing import Any, Optional
 
@@ -38,8 +37,8 @@ from torch.fx import Graph, Node
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
-from .fx_utils import (copy_meta, fused_insertion_point, getitem_users, is_call, node_order, only_user,
-                       op_args, op_name)
+from .fx_utils import (copy_meta, fused_insertion_point, is_call, node_order, only_user, op_args, op_name,
+                       pair_reads, replace_pair)
 
 _vg = torch.ops.vgraph
 RMS_NORM = _vg.rms_norm.default
@@ -76,9 +75,7 @@ class NormLinearFusionPass(VgraphPass):
             return None
         if is_call(src, RMS_NORM):
             return _fuse_rms_norm(graph, src, projection)
-        if is_call(src, operator.getitem):
-            return _fuse_add_rms_norm(graph, src, projection, order)
-        return None
+        return _fuse_add_rms_norm(graph, src, projection, order)
 
 
 def _projection_args(projection: Node) -> tuple[Any, Any, bool]:
@@ -103,31 +100,16 @@ def _fuse_rms_norm(graph: Graph, norm: Node, projection: Node) -> str:
 
 def _fuse_add_rms_norm(graph: Graph, normed: Node, projection: Node, order: dict[Node, int]) -> Optional[str]:
     """``proj(fused_add_rms_norm(x, r, w, eps)[0])``, the new residual read by anyone."""
-    norm, index = normed.args
-    if not is_call(norm, FUSED_ADD_RMS_NORM) or index != 0:
+    found = pair_reads(normed, FUSED_ADD_RMS_NORM)
+    if found is None:
         return None
-    outputs = getitem_users(norm)
-    if outputs is None or len(outputs.get(0, [])) != 1 or set(outputs) - {0, 1}:
-        return None
-    residual_reads = outputs.get(1, [])
+    norm, residual_reads = found
     norm_args = op_args(norm)
     weight, bias, silu_mul = _projection_args(projection)
     where = fused_insertion_point(norm, projection, [weight, bias], residual_reads, order)
     if where is None:
         return None
-    with graph.inserting_before(where):
-        fused = graph.call_function(FUSED_ADD_RMS_NORM_LINEAR, (
-            norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], weight, bias, silu_mul))
-        out = graph.call_function(operator.getitem, (fused, 0))
-        new_residual = graph.call_function(operator.getitem, (fused, 1)) if residual_reads else None
-    if "val" in projection.meta and "val" in norm.meta:
-        fused.meta["val"] = (projection.meta["val"], norm.meta["val"][1])
-    copy_meta(projection, out)
-    projection.replace_all_uses_with(out)
-    for read in residual_reads:
-        copy_meta(read, new_residual)
-        read.replace_all_uses_with(new_residual)
-        graph.erase_node(read)
-    for node in (projection, normed, norm):
-        graph.erase_node(node)
+    replace_pair(graph, normed, projection, FUSED_ADD_RMS_NORM_LINEAR, (
+        norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], weight, bias, silu_mul),
+        residual_reads, where)
     return op_name(FUSED_ADD_RMS_NORM_LINEAR)

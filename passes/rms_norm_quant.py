@@ -28,8 +28,8 @@ from torch.fx import Graph, Node
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
-from .fx_utils import (copy_meta, fused_insertion_point, getitem_users, is_call, node_order, only_user,
-                       op_args, op_name)
+from .fx_utils import (copy_meta, fused_insertion_point, is_call, node_order, only_user, op_args, op_name,
+                       pair_reads, replace_pair)
 
 _vg = torch.ops.vgraph
 RMS_NORM = _vg.rms_norm.default
@@ -100,30 +100,14 @@ def _fuse_rms_norm(graph: Graph, norm: Node, quant: Node) -> str:
 def _fuse_add_rms_norm_static(graph: Graph, normed: Node, quant: Node,
                               order: dict[Node, int]) -> Optional[str]:
     """``static_quant(fused_add_rms_norm(x, r, w, eps)[0])``, residual' read by anyone."""
-    norm, index = normed.args
-    if not is_call(norm, FUSED_ADD_RMS_NORM) or index != 0 or only_user(normed) is not quant:
+    found = pair_reads(normed, FUSED_ADD_RMS_NORM)
+    if found is None or only_user(normed) is not quant:
         return None
-    outputs = getitem_users(norm)
-    if outputs is None or len(outputs.get(0, [])) != 1 or set(outputs) - {0, 1}:
-        return None
-    residual_reads = outputs.get(1, [])
+    norm, residual_reads = found
     norm_args, scale = op_args(norm), op_args(quant)["scale"]
     where = fused_insertion_point(norm, quant, [scale], residual_reads, order)
     if where is None:
         return None
-    with graph.inserting_before(where):
-        fused = graph.call_function(FUSED_ADD_RMS_NORM_STATIC, (
-            norm_args["x"], norm_args["residual"], norm_args["weight"], scale, norm_args["eps"]))
-        q = graph.call_function(operator.getitem, (fused, 0))
-        new_residual = graph.call_function(operator.getitem, (fused, 1)) if residual_reads else None
-    if "val" in quant.meta and "val" in norm.meta:
-        fused.meta["val"] = (quant.meta["val"], norm.meta["val"][1])
-    copy_meta(quant, q)
-    quant.replace_all_uses_with(q)
-    for read in residual_reads:
-        copy_meta(read, new_residual)
-        read.replace_all_uses_with(new_residual)
-        graph.erase_node(read)
-    for node in (quant, normed, norm):
-        graph.erase_node(node)
+    replace_pair(graph, normed, quant, FUSED_ADD_RMS_NORM_STATIC, (
+        norm_args["x"], norm_args["residual"], norm_args["weight"], scale, norm_args["eps"]), residual_reads, where)
     return op_name(FUSED_ADD_RMS_NORM_STATIC)
