@@ -25,8 +25,8 @@ intermediate disappear: 8B 62.1 -> 57.4 us, 0.5B 10.4 -> 6.9 us at one row); oth
 followed by either projection, made by the compiler pass ``passes/norm_linear.py`` where a
 norm's output feeds only that projection. Where the projection takes the kernel, the norm
 runs inside it (``gemv.rms_norm_gemv_triton``: its launch and its [M, K] round trip are
-gone); otherwise, and on every other device, they are the two ops in turn, so the pass changes
-no results.
+gone; the row's squares add in another order, so a value can move in its last bit); otherwise,
+and on every other device, they are the two ops in turn.
 """
 from __future__ import annotations
 
@@ -187,8 +187,7 @@ def _(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tens
 def _(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor, bias: Optional[Tensor],
       silu_mul: bool) -> tuple[Tensor, Tensor]:
     if _takes_fused(x, weight, residual):
-        y, new_residual = kernels.rms_norm_gemv_triton(x, kernels.NormPrologue(norm_weight, eps, residual),
-                                                       weight, bias, silu_mul)
-        return y, new_residual
+        return kernels.rms_norm_gemv_triton(x, kernels.NormPrologue(norm_weight, eps, residual), weight, bias,
+                                            silu_mul)
     normed, new_residual = _vg.fused_add_rms_norm(x, residual, norm_weight, eps)
     return _project(normed, weight, bias, silu_mul), new_residual

@@ -21,7 +21,8 @@ The rules a rewrite follows (each helper below serves one of them):
 - decide shapes without guards: ``known_equal`` / ``known_at_least`` answer "provably",
   so a symbolic size never adds a recompile condition;
 - insert where every input exists: ``node_order``, ``defined_before``, ``fused_insertion_point``;
-- rewrite a consumer of a two-output op's first output: ``pair_reads``, ``replace_pair``;
+- replace a producer and its consumer by one op: ``replace_single``; a consumer of a two-output
+  op's first output: ``pair_reads``, ``replace_pair``;
 - give the new node the replaced node's ``meta`` (``copy_meta``): later Inductor passes and
   lowering read ``meta["val"]``;
 - erase what became dead (``erase_dead``), users first, and return match counts per pattern
@@ -180,6 +181,18 @@ def fused_insertion_point(first: Node, last: Node, inputs: Sequence[Any], early_
     if all(order.get(user, -1) > order[last] for user in users):
         return last
     return None
+
+
+def replace_single(graph: Graph, producer: Node, consumer: Node, target: Any, args: tuple) -> Node:
+    """Replaces ``consumer(producer(...))`` (the consumer ``producer``'s only user) with
+    ``target(*args)``, inserted before the consumer; both old nodes are erased."""
+    with graph.inserting_before(consumer):
+        fused = graph.call_function(target, args)
+    copy_meta(consumer, fused)
+    consumer.replace_all_uses_with(fused)
+    graph.erase_node(consumer)
+    graph.erase_node(producer)
+    return fused
 
 
 def pair_reads(first: Node, producer_target: Any) -> Optional[tuple[Node, list[Node]]]:

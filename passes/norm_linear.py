@@ -37,8 +37,8 @@ from torch.fx import Graph, Node
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
-from .fx_utils import (copy_meta, fused_insertion_point, is_call, node_order, only_user, op_args, op_name,
-                       pair_reads, replace_pair)
+from .fx_utils import (fused_insertion_point, is_call, node_order, only_user, op_args, op_name, pair_reads,
+                       replace_pair, replace_single)
 
 _vg = torch.ops.vgraph
 RMS_NORM = _vg.rms_norm.default
@@ -68,48 +68,33 @@ class NormLinearFusionPass(VgraphPass):
 
     def _fuse(self, graph: Graph, projection: Node, order: dict[Node, int]) -> Optional[str]:
         args = op_args(projection)
-        src = args["x"]
+        src, weight, bias = args["x"], args["weight"], args["bias"]
         # One user counts once however many of its arguments it takes: the normed row must
         # be the projection's input only, not its weight or bias too.
-        if only_user(src) is not projection or src is args["weight"] or src is args["bias"]:
+        if only_user(src) is not projection or src is weight or src is bias:
             return None
+        tail = (weight, bias, PROJECTIONS[projection.target])  # the fused op's last arguments
         if is_call(src, RMS_NORM):
-            return _fuse_rms_norm(graph, src, projection)
-        return _fuse_add_rms_norm(graph, src, projection, order)
+            norm_args = op_args(src)
+            replace_single(graph, src, projection, RMS_NORM_LINEAR,
+                           (norm_args["x"], norm_args["weight"], norm_args["eps"], *tail))
+            return op_name(RMS_NORM_LINEAR)
+        return _fuse_add_rms_norm(graph, src, projection, tail, order)
 
 
-def _projection_args(projection: Node) -> tuple[Any, Any, bool]:
-    args = op_args(projection)
-    return args["weight"], args["bias"], PROJECTIONS[projection.target]
-
-
-def _fuse_rms_norm(graph: Graph, norm: Node, projection: Node) -> str:
-    """``proj(rms_norm(x, w, eps))`` -> ``rms_norm_linear``, at the projection (its weight and
-    bias exist there; the norm's inputs exist since the norm)."""
-    norm_args = op_args(norm)
-    weight, bias, silu_mul = _projection_args(projection)
-    with graph.inserting_before(projection):
-        fused = graph.call_function(RMS_NORM_LINEAR, (norm_args["x"], norm_args["weight"], norm_args["eps"],
-                                                      weight, bias, silu_mul))
-    copy_meta(projection, fused)
-    projection.replace_all_uses_with(fused)
-    graph.erase_node(projection)
-    graph.erase_node(norm)
-    return op_name(RMS_NORM_LINEAR)
-
-
-def _fuse_add_rms_norm(graph: Graph, normed: Node, projection: Node, order: dict[Node, int]) -> Optional[str]:
-    """``proj(fused_add_rms_norm(x, r, w, eps)[0])``, the new residual read by anyone."""
+def _fuse_add_rms_norm(graph: Graph, normed: Node, projection: Node, tail: tuple,
+                       order: dict[Node, int]) -> Optional[str]:
+    """``proj(fused_add_rms_norm(x, r, w, eps)[0])``, the new residual read by anyone; ``tail``:
+    the projection's weight, bias and whether it is the SwiGLU one."""
     found = pair_reads(normed, FUSED_ADD_RMS_NORM)
     if found is None:
         return None
     norm, residual_reads = found
-    norm_args = op_args(norm)
-    weight, bias, silu_mul = _projection_args(projection)
-    where = fused_insertion_point(norm, projection, [weight, bias], residual_reads, order)
+    where = fused_insertion_point(norm, projection, tail[:2], residual_reads, order)
     if where is None:
         return None
-    replace_pair(graph, normed, projection, FUSED_ADD_RMS_NORM_LINEAR, (
-        norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], weight, bias, silu_mul),
-        residual_reads, where)
+    norm_args = op_args(norm)
+    replace_pair(graph, normed, projection, FUSED_ADD_RMS_NORM_LINEAR,
+                 (norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], *tail),
+                 residual_reads, where)
     return op_name(FUSED_ADD_RMS_NORM_LINEAR)

@@ -28,8 +28,8 @@ from torch.fx import Graph, Node
 import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
-from .fx_utils import (copy_meta, fused_insertion_point, is_call, node_order, only_user, op_args, op_name,
-                       pair_reads, replace_pair)
+from .fx_utils import (fused_insertion_point, is_call, node_order, only_user, op_args, op_name, pair_reads,
+                       replace_pair, replace_single)
 
 _vg = torch.ops.vgraph
 RMS_NORM = _vg.rms_norm.default
@@ -88,12 +88,7 @@ def _fuse_rms_norm(graph: Graph, norm: Node, quant: Node) -> str:
     else:  # the dynamic fused op returns (q, scales) like the quant it replaces
         target = RMS_NORM_DYNAMIC
         args = (norm_args["x"], norm_args["weight"], norm_args["eps"])
-    with graph.inserting_before(quant):
-        fused = graph.call_function(target, args)
-    copy_meta(quant, fused)
-    quant.replace_all_uses_with(fused)
-    graph.erase_node(quant)
-    graph.erase_node(norm)
+    replace_single(graph, norm, quant, target, args)
     return op_name(target)
 
 

@@ -32,7 +32,7 @@ import vgraph.ops  # noqa: F401  (registers torch.ops.vgraph)
 
 from .base import VgraphPass
 from .fx_utils import (copy_meta, dtype_of, erase_dead, is_call, is_last_dim, known_at_least,
-                       known_equal, op_args, op_name, only_user, users_within, value)
+                       known_equal, op_args, op_name, only_user, replace_single, users_within, value)
 
 aten, prims, _vg = torch.ops.aten, torch.ops.prims, torch.ops.vgraph
 SILU_AND_MUL = _vg.silu_and_mul.default
@@ -217,11 +217,6 @@ def _fuse_silu_mul_quant(graph: Graph) -> int:
         act = args["x"]
         if not is_call(act, SILU_AND_MUL) or only_user(act) is not quant:
             continue
-        with graph.inserting_before(quant):
-            fused = graph.call_function(SILU_AND_MUL_STATIC, (op_args(act)["x"], args["scale"]))
-        copy_meta(quant, fused)
-        quant.replace_all_uses_with(fused)
-        graph.erase_node(quant)
-        graph.erase_node(act)
+        replace_single(graph, act, quant, SILU_AND_MUL_STATIC, (op_args(act)["x"], args["scale"]))
         matches += 1
     return matches

@@ -252,6 +252,7 @@ class BatchBuilder:
 # Where each array starts in a packed upload: a multiple of this many bytes, so every view
 # is as aligned as a tensor of its own (Triton specializes pointers on 16-byte alignment).
 _UPLOAD_ALIGN = 64
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}  # what a batch holds
 
 
 def packed_upload(arrays: tuple[np.ndarray, ...] | list[np.ndarray], device: torch.device,
@@ -277,8 +278,6 @@ def packed_upload(arrays: tuple[np.ndarray, ...] | list[np.ndarray], device: tor
     return [sent[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
             for a, offset in zip(arrays, offsets)]
 
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
