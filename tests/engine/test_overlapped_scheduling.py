@@ -14,11 +14,9 @@ import pytest
 
 from tests.checkpoints import tiny_checkpoint
 from vgraph import LLM, SamplingParams
-from vgraph.config import CompileConfig
 from vgraph.pooling_params import PoolingParams
 from vgraph.structured.params import StructuredOutputsParams
 from vgraph.testing.emulated_device import emulated_device
-from vgraph.worker.batch import BatchBuilder, packed_upload
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}
@@ -76,15 +74,6 @@ def test_overlap_changes_no_output_under_preemption(serial, overlapped):
     for llm in (serial, overlapped):
         pool = llm.engine.scheduler.block_pool
         assert pool.num_free_blocks == pool.num_blocks, "every block came back"
-
-
-def test_the_one_copy_batch_upload_changes_no_output(serial, monkeypatch):
-    """Every batch as a GPU step builds it (its arrays packed into one buffer and handed back
-    as views of it: ``batch.packed_upload``), through the overlapped loop and FULL / PIECEWISE
-    graphs emulated on CPU: the mixed workload's outputs are the serial loop's."""
-    monkeypatch.setattr(BatchBuilder, "_upload", lambda self, *arrays: packed_upload(arrays, self.device, pin=False))
-    graphs = CompileConfig(cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=[1, 2, 4, 8, 16])
-    assert _outputs(_llm(True, compile_config=graphs)) == _outputs(serial)
 
 
 def test_overlap_with_aborts_mid_flight(serial, overlapped):

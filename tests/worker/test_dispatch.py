@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from vgraph.core.scheduler import Scheduler
 from vgraph.worker.runner_requests import RunnerRequests, RunnerStep
 from vgraph.ops.forward_context import ForwardContext, set_forward_context
 from vgraph.sampling_params import SamplingParams
-from vgraph.worker.batch import BatchBuilder, FlatBatch, packed_upload
+from vgraph.worker.batch import BatchBuilder, FlatBatch
 from vgraph.worker.cuda_graphs import DecodeBuffers
 from vgraph.worker.dispatch import (BatchShape, Decision, Path, VerifyShape, capture_sizes, choose,
                                    default_capture_sizes)
@@ -340,52 +339,3 @@ def test_padded_verify_attention_equals_unpadded_and_writes_the_same_cache():
     torch.testing.assert_close(out[real], expected, rtol=1e-6, atol=1e-6)
     for (a, b), (c, d) in zip(plain_caches, padded_caches):
         assert torch.equal(a, c) and torch.equal(b, d), "padded rows write nothing"
-
-
-# ---------------------------------------------------------------------------- one upload a step
-
-
-def _fields(batch: FlatBatch) -> list[torch.Tensor]:
-    meta = batch.attn_metadata
-    return [batch.input_ids, batch.positions, meta.slot_mapping, meta.block_table, meta.query_start_loc,
-            meta.seq_lens, batch.sample_indices]
-
-
-def test_packed_upload_gives_each_array_back_aligned():
-    arrays = [np.arange(5, dtype=np.int64), np.arange(12, dtype=np.int32).reshape(3, 4),
-              np.zeros((0, 1), dtype=np.int32), np.array([7], dtype=np.int32), np.arange(3, dtype=np.int64) - 1]
-    sent = packed_upload(arrays, torch.device("cpu"), pin=False)
-    for a, t in zip(arrays, sent):
-        assert t.dtype == torch.from_numpy(a).dtype and tuple(t.shape) == a.shape
-        assert torch.equal(t, torch.from_numpy(a))
-    base = sent[0].data_ptr()
-    assert all((t.data_ptr() - base) % 64 == 0 for t in sent), "every view starts 64-byte aligned"
-
-
-@pytest.mark.parametrize("path,bucket", [(Path.NONE, 3), (Path.FULL, 4), (Path.PIECEWISE, 8)])
-def test_a_packed_batch_equals_the_unpacked_one(monkeypatch, path, bucket):
-    """The builder's one-copy upload (what a GPU step takes) builds exactly the tensors the
-    per-array path does, FULL buffers filled from it included."""
-    s = _scheduler()
-    sched = _decode_sched(s, [5, 9, 2])
-    expected = _build(sched, path, bucket)
-    monkeypatch.setattr(BatchBuilder, "_upload", lambda self, *arrays: packed_upload(arrays, self.device, pin=False))
-    packed = _build(sched, path, bucket)
-    for a, b in zip(_fields(expected), _fields(packed)):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    if path is Path.FULL:
-        view = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu")).fill(packed)
-        assert view.input_ids.tolist() == expected.input_ids.tolist()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_cuda_batch_is_the_cpu_batch_on_the_device():
-    s = _scheduler()
-    sched = _decode_sched(s, [5, 9, 2])
-    cuda = BatchBuilder(BLOCK, torch.device("cuda"), num_kv_heads=2, max_model_len=64)
-    for path, bucket in [(Path.NONE, 3), (Path.FULL, 4)]:
-        on_cpu = _build(sched, path, bucket)
-        on_gpu = cuda.build(sched, Decision(path, bucket, sched.num_batched_tokens))
-        for a, b in zip(_fields(on_cpu), _fields(on_gpu)):
-            assert b.is_cuda and b.data_ptr() % 16 == 0 and torch.equal(a, b.cpu())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,9 +119,7 @@ def test_full_batches_bake_one_count_per_bucket(monkeypatch):
     the bucket size and max_model_len, never the batch's own lengths."""
     monkeypatch.setattr(batch_module, "sm_count", lambda device: H100_SMS)
     builder = _builder(max_model_len=32768)
-    # the one-copy upload a CUDA builder makes, kept on the CPU
-    monkeypatch.setattr(builder, "_upload", lambda *arrays: batch_module.packed_upload(arrays, torch.device("cpu"),
-                                                                                        pin=False))
+    builder._dev = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # stay on the CPU
     for contexts in ([5], [5, 3000], [20000, 7, 12]):
         sched = RunnerStep([dummy_decode(1, c, 16, 4096).chunks[0] for c in contexts])
         meta = builder.build(sched, Decision(Path.FULL, 8, len(contexts))).attn_metadata

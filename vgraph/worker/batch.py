@@ -123,21 +123,18 @@ class BatchBuilder:
             self._pad_sequences(rows, padding // decision.query_len, decision.query_len)
         else:
             self._pad_rows(rows, padding)
-        qsl = np.zeros(len(rows.q_lens) + 1, dtype=np.int32)
-        qsl[1:] = np.cumsum(rows.q_lens)
-        ids, positions, slots, table, query_start_loc, seq_lens, sample_indices = self._upload(
-            np.asarray(rows.ids, dtype=np.int64), np.asarray(rows.positions, dtype=np.int64),
-            np.asarray(rows.slots, dtype=np.int64), _block_table(rows.tables), qsl,
-            np.asarray(rows.seq_lens, dtype=np.int32), np.asarray(sample_rows, dtype=np.int64))
-        meta = self._metadata(rows, decision, slots, table, query_start_loc, seq_lens)
+        meta = self._metadata(rows, decision)
+        sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
         output_rows = sample_indices if self._tail_on_sampled_rows(step, decision, len(sample_rows),
                                                                    num_scheduled) else None
-        return FlatBatch(self._inputs(ids), positions, meta, sample_indices, sampled, num_scheduled, output_rows)
+        return FlatBatch(self._inputs(np.asarray(rows.ids, dtype=np.int64)),
+                         self._dev(np.asarray(rows.positions, dtype=np.int64)), meta, sample_indices, sampled,
+                         num_scheduled, output_rows)
 
-    def _inputs(self, ids: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         """Token ids, or on a later pipeline stage the zeros its received rows go into."""
         if self.stage_input is None:
-            return ids
+            return self._dev(ids)
         return torch.zeros((ids.shape[0], self.stage_input.width), dtype=self.stage_input.dtype, device=self.device)
 
     def _tail_on_sampled_rows(self, step: RunnerStep, decision: Decision, num_sampled: int,
@@ -209,14 +206,17 @@ class BatchBuilder:
             rows.seq_lens.extend([0] * count)
             rows.tables.extend([[]] * count)
 
-    def _metadata(self, rows: _Rows, decision: Decision, slots: torch.Tensor, table: torch.Tensor,
-                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> AttentionMetadata:
+    def _metadata(self, rows: _Rows, decision: Decision) -> AttentionMetadata:
+        table = _block_table(rows.tables)
+        qsl = np.zeros(len(rows.q_lens) + 1, dtype=np.int32)
+        qsl[1:] = np.cumsum(rows.q_lens)
         max_query_len, max_seq_len = max(rows.q_lens, default=0), max(rows.seq_lens, default=0)
         if decision.path is Path.FULL:
             # A FULL graph is captured once per bucket and replayed for every context length.
             max_seq_len = self.max_model_len
         return AttentionMetadata(
-            slot_mapping=slots, block_table=table, query_start_loc=query_start_loc, seq_lens=seq_lens,
+            slot_mapping=self._dev(np.asarray(rows.slots, dtype=np.int64)), block_table=self._dev(table),
+            query_start_loc=self._dev(qsl), seq_lens=self._dev(np.asarray(rows.seq_lens, dtype=np.int32)),
             max_query_len=max_query_len, max_seq_len=max_seq_len,
             num_kv_splits=self.kv_splits(len(rows.q_lens), max_query_len, max_seq_len))
 
@@ -241,43 +241,8 @@ class BatchBuilder:
         max_splits = min(max_seq_len // keys, _SPLIT_KV_MAX_SPLITS)
         return wave_efficient_splits(programs, sms * _SPLIT_KV_PROGRAMS_PER_SM, max_splits)
 
-    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
-        """The step's host arrays as tensors on the device. On CPU they are the arrays' own
-        memory; elsewhere ``packed_upload`` sends them in one copy."""
-        if self.device.type == "cpu":
-            return [torch.from_numpy(a) for a in arrays]
-        return packed_upload(arrays, self.device, pin=True)
-
-
-# Where each array starts in a packed upload: a multiple of this many bytes, so every view
-# is as aligned as a tensor of its own (Triton specializes pointers on 16-byte alignment).
-_UPLOAD_ALIGN = 64
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}  # what a batch holds
-
-
-def packed_upload(arrays: tuple[np.ndarray, ...] | list[np.ndarray], device: torch.device,
-                  pin: bool) -> list[torch.Tensor]:
-    """``arrays`` on ``device`` through one host buffer (pinned when ``pin``) and one copy:
-    each comes back as a view of the copy, of its own dtype and shape.
-
-    Why: a step's batch is seven small arrays (ids, positions, slots, block table, query
-    starts, sequence lengths, sampled rows). Copied one by one from pageable memory, as each
-    ``.to(cuda)`` of a numpy array does, the host made seven synchronous copies a step (a GPU
-    profile of a 0.5B batch-1 step: 896 pageable copies in 128 steps). Packed, it is one
-    asynchronous copy from pinned memory, queued behind the step in flight; torch's pinned
-    allocator does not reuse the block before that copy has run."""
-    offsets, total = [], 0
-    for a in arrays:
-        offsets.append(total)
-        total += -(-a.nbytes // _UPLOAD_ALIGN) * _UPLOAD_ALIGN
-    host = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
-    staging = host.numpy()
-    for a, offset in zip(arrays, offsets):
-        staging[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    sent = host.to(device, non_blocking=pin)
-    return [sent[offset:offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
-            for a, offset in zip(arrays, offsets)]
-
+    def _dev(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device, non_blocking=True)
 
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
