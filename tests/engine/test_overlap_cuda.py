@@ -73,3 +73,35 @@ def test_draft_model_on_cuda_shares_the_device_and_equals_plain_greedy():
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
     stats = spec.engine.stats()
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0, "its own draft: every guess kept"
+
+
+def test_logprobs_wait_for_nothing_at_launch_on_cuda():
+    """A step that asks for logprobs or prompt logprobs launches without a host sync: its
+    entries are read when it is finished (``torch.cuda.set_sync_debug_mode`` raises on a sync)."""
+    from vgraph.worker.logprob_rows import HostCopy
+    from vgraph.worker.prompt_logprobs import compute_prompt_logprobs
+    from vgraph.worker.runner_requests import RunnerChunk, RunnerRequest, RunnerStep
+    from vgraph.worker.sampler import Sampler, SamplingMetadata
+    vocab = 1000
+    requests = [RunnerRequest(r, list(range(1, 9)), SamplingParams(temperature=0, logprobs=2),
+                              num_prompt_logprobs=1) for r in "ab"]
+    meta = SamplingMetadata.from_requests(requests, vocab, "cuda")
+    lm_head = torch.randn(vocab, 16, device="cuda")
+    hidden = torch.randn(16, 16, device="cuda")
+    step = RunnerStep([RunnerChunk(r, 8, 0, True) for r in requests])
+    logits = hidden[[7, 15]] @ lm_head.T
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = Sampler()(logits, meta)
+        pending = compute_prompt_logprobs(hidden, step, lambda h: h @ lm_head.T)
+        copy = HostCopy([out.token_ids, *out.logprobs.tensors(), *pending.tensors()])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = copy.wait()
+    expected = logits.log_softmax(-1)
+    ids = host[0].tolist()
+    entries = out.logprobs.entries(ids, host[1:4])
+    assert ids == expected.argmax(-1).tolist()
+    assert entries[0][ids[0]] == pytest.approx(expected[0, ids[0]].item(), abs=1e-5)
+    assert len(pending.entries(host[4:])["b"].entries) == 7

@@ -19,7 +19,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..core.outputs import ModelRunnerOutput, PooledChunk, PromptLogprobs
+from ..core.outputs import ModelRunnerOutput, PooledChunk
+from .logprob_rows import HostCopy, LogprobRows
+from .prompt_logprobs import PendingPromptLogprobs
 from .runner_requests import RunnerRequest, RunnerStep
 from .sampler import device_tensor
 
@@ -27,9 +29,9 @@ PENDING = -1  # a sampled token whose id the host has not read yet (never a voca
 
 
 class LaunchedStep:
-    """One step's results as they come off the device: the sampled ids (a device tensor, its
-    copy to the host started at launch on CUDA), the logprobs, prompt logprobs and pooled
-    states (read on the host already, when asked: those requests pay the wait).
+    """One step's results as they come off the device: the sampled ids, the logprobs and prompt
+    logprobs (device tensors whose copies to the host start at launch on CUDA and are read at
+    ``finish``), and the pooled states.
 
     A verifying request (speculative guesses, spec/) has one sampled row per guess plus one:
     at ``finish`` its guesses are accepted while each equals the target's token at the row
@@ -37,9 +39,8 @@ class LaunchedStep:
     is never scheduled before that (its token count is unknown until then): no placeholder."""
 
     def __init__(self, step: RunnerStep, sampled_requests: Iterable[RunnerRequest] = (),
-                 token_ids: Optional[torch.Tensor] = None,
-                 logprobs: Optional[list[Optional[dict[int, float]]]] = None,
-                 prompt_logprobs: Optional[dict[str, PromptLogprobs]] = None,
+                 token_ids: Optional[torch.Tensor] = None, logprobs: Optional[LogprobRows] = None,
+                 prompt_logprobs: Optional[PendingPromptLogprobs] = None,
                  pooled: Optional[dict[str, PooledChunk]] = None, record: bool = True) -> None:
         """``record``: the rows' requests are the runner's copies, which take pending tokens
         (not so for the dummy requests of warm-up, profiling and capture)."""
@@ -54,7 +55,10 @@ class LaunchedStep:
         # (None: a step that samples nothing here, e.g. a pipeline stage before the last.)
         self._chunks = [(c.request, c.draft_token_ids, None if c.draft_token_ids or not record
                          else _placeholder(c.request)) for c in step.chunks if c.produces_token and self.requests]
-        self._host_ids, self._ready = _start_copy(token_ids)
+        # Everything the host reads of this step, copied off the device together, from now on.
+        sampled = [token_ids] if token_ids is not None and self.requests else []
+        self._copy = HostCopy([*sampled, *(logprobs.tensors() if logprobs is not None else ()),
+                               *(prompt_logprobs.tensors() if prompt_logprobs is not None else ())])
         self._result: Optional[ModelRunnerOutput] = None
 
     @property
@@ -72,11 +76,14 @@ class LaunchedStep:
         return self._result
 
     def _read(self) -> ModelRunnerOutput:
+        host = self._copy.wait()
+        prompt_logprobs = None
+        if self._prompt_logprobs is not None:  # its tensors come last
+            count = len(self._prompt_logprobs.tensors())
+            prompt_logprobs = self._prompt_logprobs.entries(host[len(host) - count:])
         if not self.requests:
-            return ModelRunnerOutput({}, None, self._prompt_logprobs, self._pooled)
-        if self._ready is not None:
-            self._ready.synchronize()
-        ids = self._host_ids.tolist()
+            return ModelRunnerOutput({}, None, prompt_logprobs, self._pooled)
+        ids = host[0].tolist()
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         row = 0
@@ -93,8 +100,9 @@ class LaunchedStep:
                 request.output_token_ids[slot] = token_id
         logprobs = None
         if self._logprobs is not None:
-            logprobs = {r.request_id: lp for r, lp in zip(self.requests, self._logprobs) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, self._prompt_logprobs, self._pooled, accepted or None)
+            rows = self._logprobs.entries(ids, host[1:1 + len(self._logprobs.tensors())])
+            logprobs = {r.request_id: lp for r, lp in zip(self.requests, rows) if lp is not None}
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, self._pooled, accepted or None)
 
 
 def _placeholder(request: RunnerRequest) -> int:
@@ -109,18 +117,6 @@ def _accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
     while count < len(drafts) and drafts[count] == targets[count]:
         count += 1
     return count
-
-
-def _start_copy(token_ids: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], Optional[torch.cuda.Event]]:
-    """The ids' host copy and the event it completes with: on CUDA an asynchronous copy into
-    pinned memory, so reading them later waits for this step only; elsewhere the tensor itself."""
-    if token_ids is None or token_ids.device.type != "cuda":
-        return token_ids, None
-    host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-    host.copy_(token_ids, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from typing import Callable, Optional
 import torch
 
 from ..core.outputs import PromptLogprobs
+from .logprob_rows import LogprobRows
 from .runner_requests import RunnerRequest, RunnerStep
+from .sampler import device_tensor
 
 # Rows sent through lm_head + log_softmax at once: bounds the [rows, vocab] float32 buffers
 # (1024 rows of a 152k vocabulary is 0.6 GB) whatever the prompt's length.
@@ -46,44 +48,49 @@ def _spans(step: RunnerStep) -> list[_Span]:
     return spans
 
 
+@dataclass(frozen=True)
+class PendingPromptLogprobs:
+    """The prompt tokens one step scores, per request, with their logprobs still on the device
+    (read when the step is finished: ``launched.py``)."""
+
+    spans: list[tuple[str, int, list[int]]]  # (request id, first prompt token scored, the tokens)
+    rows: LogprobRows  # one row per token scored, in span order
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.rows.tensors()
+
+    def entries(self, host: list[torch.Tensor]) -> dict[str, PromptLogprobs]:
+        """Per request ``PromptLogprobs``, from ``tensors()`` read on the host."""
+        entries = self.rows.entries([t for _, _, tokens in self.spans for t in tokens], host)
+        out: dict[str, PromptLogprobs] = {}
+        i = 0
+        for request_id, first, tokens in self.spans:
+            out[request_id] = PromptLogprobs(first, entries[i:i + len(tokens)])
+            i += len(tokens)
+        return out
+
+
 def compute_prompt_logprobs(hidden: torch.Tensor, step: RunnerStep,
                             compute_logits: Callable[[torch.Tensor], torch.Tensor]
-                            ) -> Optional[dict[str, PromptLogprobs]]:
-    """Per request that asks: the prompt tokens this step scores, as ``{token: logprob}`` with
-    the prompt token first and then the top ``num_prompt_logprobs``. None if nobody asks."""
+                            ) -> Optional[PendingPromptLogprobs]:
+    """Per request that asks: the prompt tokens this step scores, each with its logprob and the
+    top ``num_prompt_logprobs`` (on the device: nothing here waits for it). None if nobody asks."""
     spans = _spans(step)
     if not spans:
         return None
-    rows = torch.tensor([r for span in spans for r in span.rows], dtype=torch.int64)
-    targets = torch.tensor([t for span in spans for t in _targets(span)], dtype=torch.int64)
-    top_n = max(span.request.num_prompt_logprobs for span in spans)
-    chosen, top_vals, top_ids = [], [], []
+    rows = [r for span in spans for r in span.rows]
+    targets = [_targets(span) for span in spans]
+    flat_targets = [t for tokens in targets for t in tokens]
+    counts = [span.request.num_prompt_logprobs for span in spans for _ in span.rows]
+    top_n = max(counts)
+    parts = []
     for lo in range(0, len(rows), _ROWS_PER_SLICE):
-        idx = rows[lo:lo + _ROWS_PER_SLICE].to(hidden.device)
-        tgt = targets[lo:lo + _ROWS_PER_SLICE].to(hidden.device)
+        idx = device_tensor(rows[lo:lo + _ROWS_PER_SLICE], torch.int64, hidden.device)
+        tgt = device_tensor(flat_targets[lo:lo + _ROWS_PER_SLICE], torch.int64, hidden.device)
         logprobs = compute_logits(hidden[idx]).float().log_softmax(dim=-1)
-        chosen.append(logprobs.gather(1, tgt.unsqueeze(1)).squeeze(1))
-        if top_n:
-            vals, ids = logprobs.topk(min(top_n, logprobs.shape[-1]), dim=-1)
-            top_vals.append(vals)
-            top_ids.append(ids)
-    chosen_l = torch.cat(chosen).tolist()
-    vals_l = torch.cat(top_vals).tolist() if top_n else None
-    ids_l = torch.cat(top_ids).tolist() if top_n else None
-    out: dict[str, PromptLogprobs] = {}
-    i = 0
-    for span in spans:
-        n = span.request.num_prompt_logprobs
-        entries = []
-        for token in _targets(span):
-            entry = {token: chosen_l[i]}
-            if n:
-                for tid, val in zip(ids_l[i][:n], vals_l[i][:n]):
-                    entry.setdefault(tid, val)
-            entries.append(entry)
-            i += 1
-        out[span.request.request_id] = PromptLogprobs(span.first, entries)
-    return out
+        parts.append(LogprobRows.of(logprobs, tgt, counts[lo:lo + _ROWS_PER_SLICE], top_n))
+    return PendingPromptLogprobs([(span.request.request_id, span.first, tokens) for span, tokens in zip(spans, targets)],
+                                 LogprobRows.cat(parts))
 
 
 def _targets(span: _Span) -> list[int]:

@@ -21,10 +21,10 @@ then runs the whole batch through the same pipeline as vLLM:
    rows draw ``q`` from their own generator, so their tokens do not depend on the rest of the
    batch; the other rows share the default RNG.
 
-Per-request Python work is limited to gathering id lists when the metadata is built, drawing
-noise for seeded rows, and building the logprob dicts. On a GPU the metadata's tensors are
-built in pinned host memory and copied without blocking (``upload``), so the host builds the
-step while the forward runs.
+Per-request Python work is limited to gathering id lists when the metadata is built and
+drawing noise for seeded rows; logprobs stay on the device until the step is finished
+(``logprob_rows``). On a GPU the metadata's tensors are built in pinned host memory and copied
+without blocking (``upload``), so the host builds the step while the forward runs.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .logprob_rows import LogprobRows
 from .runner_requests import RunnerRequest
 from ..structured.bitmask import GrammarMasks, apply_masks
 
@@ -216,13 +217,12 @@ def _min_tokens_indices(requests: list[RunnerRequest], vocab_size: int, device: 
 class SamplerOutput:
     """One token per row; ``logprobs`` is None unless some row asked for them.
 
-    When present, ``logprobs[i]`` maps token id -> logprob: the sampled token first, then the
-    row's top-n in rank order (n + 1 entries, or n when the sampled token is among the top n).
-    Rows that did not ask get None, so callers can skip them without looking at their params.
+    When present, the rows' logprobs still on the device (``LogprobRows``: read on the host when
+    the step is finished, not here); rows that did not ask get a None entry.
     """
 
     token_ids: torch.Tensor  # [B] int64
-    logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    logprobs: Optional[LogprobRows] = None
 
 
 def apply_grammar(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -337,27 +337,6 @@ def _uniform(rows: int, like: torch.Tensor, generators: list[Optional[torch.Gene
     return u
 
 
-def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor,
-                    md: SamplingMetadata) -> list[Optional[dict[int, float]]]:
-    """Per row {token: logprob} for the sampled token and the row's top-n, from raw logits."""
-    assert md.max_num_logprobs is not None
-    logprobs = raw_logits.log_softmax(dim=-1)
-    chosen_ids = token_ids.tolist()
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
-    top_vals, top_ids = logprobs.topk(min(md.max_num_logprobs, md.vocab_size), dim=-1)
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[Optional[dict[int, float]]] = []
-    for row, n in enumerate(md.num_logprobs):
-        if n is None:
-            out.append(None)
-            continue
-        entry = {chosen_ids[row]: chosen[row]}
-        for tid, val in zip(top_ids[row][:n], top_vals[row][:n]):
-            entry.setdefault(tid, val)
-        out.append(entry)
-    return out
-
-
 class Sampler(torch.nn.Module):
     """Stateless: all per-request state lives in ``SamplingMetadata`` and the requests' generators."""
 
@@ -371,7 +350,8 @@ class Sampler(torch.nn.Module):
         logits = apply_grammar(logits.float(), md)
         logits = apply_min_tokens(apply_penalties(logits, md), md)
         token_ids = self._choose(logits, md, draft_ids)
-        logprobs = None if md.max_num_logprobs is None else gather_logprobs(raw.float(), token_ids, md)
+        logprobs = (None if md.max_num_logprobs is None
+                    else LogprobRows.of(raw.float().log_softmax(dim=-1), token_ids, md.num_logprobs))
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     @staticmethod
