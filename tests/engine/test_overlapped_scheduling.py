@@ -137,3 +137,32 @@ def _schedules_during_forward(engine, device) -> Iterator[list[int]]:
         yield count
     finally:
         del engine.scheduler.schedule  # the class's method again
+
+
+def test_penalties_count_pending_tokens_without_waiting_for_them(serial, overlapped):
+    """A penalised request's step is launched while the step before it is still unfinished: its
+    pending token is counted on the device (``launched.pending_tokens``), and the tokens are
+    the serial loop's."""
+    penalised = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5,
+                               frequency_penalty=0.7, presence_penalty=0.3)
+    prompts = ["a a a a a", "penalties count every token"]
+    plain = [r.outputs[0].token_ids for r in serial.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)]
+    expected = [r.outputs[0].token_ids for r in serial.generate(prompts, penalised, use_tqdm=False)]
+    assert expected != plain, "the penalties change the tokens"
+    runner = overlapped.engine.runner
+    launch, earlier_finished = runner.launch, []
+
+    def launch_and_look(*args, **kwargs):
+        before = list(runner.launched)
+        launched = launch(*args, **kwargs)
+        earlier_finished.extend(step.finished for step in before)
+        return launched
+
+    runner.launch = launch_and_look
+    try:
+        got = [r.outputs[0].token_ids for r in overlapped.generate(prompts, penalised, use_tqdm=False)]
+    finally:
+        del runner.launch  # the class's method again
+    assert got == expected
+    assert earlier_finished and not any(earlier_finished), "no launch waited for the step in flight"

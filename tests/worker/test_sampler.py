@@ -220,3 +220,14 @@ def test_metadata_cache_reuses_a_steady_batch_and_rebuilds_what_changes():
     assert cache.get([a, penalized]) is not cache.get([a, penalized]), "penalty counts change every step"
     banned = _request(min_tokens=3, max_tokens=8)
     assert cache.get([banned]) is not cache.get([banned]), "min_tokens bans end as tokens arrive"
+
+
+def test_pending_tokens_are_counted_from_the_device():
+    """A row's output may end in a ``PENDING`` placeholder (overlapped scheduling): its id comes
+    as (row, id) tensors and counts like the known tokens."""
+    from vgraph.worker.runner_requests import PENDING
+    known = [_request(output=[3, 3, 8, 11], frequency_penalty=0.5), _request(output=[5], presence_penalty=1.0)]
+    pending = [_request(output=[3, 3, 8, PENDING], frequency_penalty=0.5), _request(output=[5], presence_penalty=1.0)]
+    want = SamplingMetadata.from_requests(known, V, "cpu").output_token_counts
+    got = SamplingMetadata.from_requests(pending, V, "cpu", pending=(torch.tensor([0]), torch.tensor([11])))
+    assert torch.equal(got.output_token_counts, want)

@@ -45,7 +45,7 @@ from .kv_sizing import (Companion, KVSpec, MemoryProfile, allocate_kv_caches, kv
 from ..core.outputs import ModelRunnerOutput
 from .pooling import pooled_chunks
 from .prompt_logprobs import compute_prompt_logprobs
-from .launched import LaunchedStep, pending_inputs
+from .launched import LaunchedStep, pending_inputs, pending_tokens
 from .runner_requests import RunnerRequests, RunnerStep
 from .sampler import Sampler, SamplingMetadata, SamplingMetadataCache
 from .startup import StartupReport
@@ -350,10 +350,10 @@ class ModelRunner:
         if not batch.sampled_requests:
             return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))
-        if self.launched and _reads_output_tokens(batch.sampled_requests):
-            for earlier in self.launched:  # penalties count the earlier steps' tokens: read them
-                earlier.finish()
-        meta = (self.sampling.get(batch.sampled_requests, masks) if record
+        # Penalties count the earlier steps' tokens: those still pending are counted on the device.
+        pending = (pending_tokens(batch.sampled_requests, self.launched, self.device)
+                   if record and self.launched and _reads_output_tokens(batch.sampled_requests) else None)
+        meta = (self.sampling.get(batch.sampled_requests, masks, pending) if record
                 else SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks))
         drafts = None if self.config.speculative_config is None else _draft_rows(step, self.device)
         out = self.sampler(logits, meta, drafts)

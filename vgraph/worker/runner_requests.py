@@ -20,6 +20,9 @@ from ..lora.request import LoRARequest
 from ..sampling_params import SamplingParams
 
 
+PENDING = -1  # a sampled token whose id the host has not read yet (never a vocabulary id; launched.py)
+
+
 @dataclass(slots=True)
 class RunnerRequest:
     """One sequence as the runner knows it."""

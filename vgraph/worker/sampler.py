@@ -34,7 +34,7 @@ from typing import Optional, Sequence
 import torch
 
 from .logprob_rows import LogprobRows
-from .runner_requests import RunnerRequest
+from .runner_requests import PENDING, RunnerRequest
 from ..structured.bitmask import GrammarMasks, apply_masks
 
 
@@ -45,12 +45,18 @@ def _pad_ids(id_lists: Sequence[Sequence[int]], pad: int, device: torch.device |
     return device_tensor(rows, torch.int64, device).reshape(len(id_lists), width)
 
 
-def _token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
-                  device: torch.device | str) -> torch.Tensor:
-    """[B, V] counts of each token id per row, via one scatter_add (padding goes to column V)."""
+def _token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str,
+                  pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """[B, V] counts of each token id per row, via one scatter_add (padding and ``PENDING``
+    placeholders go to column V). ``pending``: ``(rows, ids)`` of tokens whose ids are still on
+    the device (``launched.pending_tokens``), each counted once more in its row."""
     ids = _pad_ids(id_lists, vocab_size, device).clamp_(max=vocab_size)
+    ids.masked_fill_(ids == PENDING, vocab_size)
     counts = torch.zeros(len(id_lists), vocab_size + 1, dtype=torch.int32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    if pending is not None:
+        rows, pending_ids = pending
+        counts.index_put_((rows, pending_ids), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
     return counts[:, :vocab_size]
 
 
@@ -123,9 +129,12 @@ class SamplingMetadata:
     @classmethod
     def from_requests(cls, requests: list[RunnerRequest], vocab_size: int,
                       device: torch.device | str = "cpu",
-                      masks: Optional[GrammarMasks] = None) -> "SamplingMetadata":
+                      masks: Optional[GrammarMasks] = None,
+                      pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> "SamplingMetadata":
         """Gathers the batch's parameters into tensors on ``device``, one row per request
-        (``masks``: the constrained rows' grammar masks, from ``structured.bitmask.fill_masks``)."""
+        (``masks``: the constrained rows' grammar masks, from ``structured.bitmask.fill_masks``;
+        ``pending``: the rows' output tokens still on the device, which penalties count too,
+        from ``launched.pending_tokens``)."""
         params = [r.sampling_params for r in requests]
         greedy = [p.greedy for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
@@ -154,7 +163,7 @@ class SamplingMetadata:
             presence_penalty=device_tensor(pres, torch.float32, device),
             no_penalties=no_penalties,
             output_token_counts=None if no_penalties else _token_counts(
-                [r.output_token_ids for r in requests], vocab_size, device),
+                [r.output_token_ids for r in requests], vocab_size, device, pending),
             prompt_token_mask=None if no_rep else _token_counts(
                 [r.prompt_token_ids for r in requests], vocab_size, device) > 0,
             min_tokens_rows=rows,
@@ -178,10 +187,11 @@ class SamplingMetadataCache:
         self._requests: list[RunnerRequest] = []
         self._meta: Optional[SamplingMetadata] = None
 
-    def get(self, requests: list[RunnerRequest], masks: Optional[GrammarMasks] = None) -> SamplingMetadata:
+    def get(self, requests: list[RunnerRequest], masks: Optional[GrammarMasks] = None,
+            pending: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> SamplingMetadata:
         if masks is None and self._meta is not None and _same_rows(self._requests, requests):
             return self._meta
-        meta = SamplingMetadata.from_requests(requests, self.vocab_size, self.device, masks)
+        meta = SamplingMetadata.from_requests(requests, self.vocab_size, self.device, masks, pending)
         steady = meta.no_penalties and meta.min_tokens_rows is None and meta.grammar_rows is None
         self._requests, self._meta = (list(requests), meta) if steady else ([], None)
         return meta
@@ -300,8 +310,10 @@ def _exponential_noise(probs: torch.Tensor, generators: list[Optional[torch.Gene
             continue
         if gen.device == probs.device:
             q[row].exponential_(generator=gen)
-        else:
-            q[row].copy_(torch.empty(probs.shape[-1], device=gen.device).exponential_(generator=gen))
+        else:  # a host generator (seeded rows) for a GPU: drawn into pinned memory, copied without a wait
+            pin = probs.device.type == "cuda"
+            noise = torch.empty(probs.shape[-1], pin_memory=pin).exponential_(generator=gen)
+            q[row].copy_(noise, non_blocking=pin)
     # Exp(1) can round to 0 in float; a tiny floor keeps zero-probability tokens at 0 / tiny = 0.
     return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
