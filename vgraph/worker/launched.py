@@ -20,8 +20,9 @@ from typing import Iterable, Optional
 
 import torch
 
-from ..core.outputs import ModelRunnerOutput, PooledChunk
+from ..core.outputs import ModelRunnerOutput
 from .logprob_rows import HostCopy, LogprobRows
+from .pooling import PendingPooled
 from .prompt_logprobs import PendingPromptLogprobs
 from .runner_requests import PENDING, RunnerRequest, RunnerStep
 from .sampler import device_tensor
@@ -30,8 +31,8 @@ from .sampler import device_tensor
 
 class LaunchedStep:
     """One step's results as they come off the device: the sampled ids, the logprobs and prompt
-    logprobs (device tensors whose copies to the host start at launch on CUDA and are read at
-    ``finish``), and the pooled states.
+    logprobs and the pooled states: device tensors whose copies to the host start at launch on
+    CUDA and are read at ``finish``.
 
     A verifying request (speculative guesses, spec/) has one sampled row per guess plus one:
     at ``finish`` its guesses are accepted while each equals the target's token at the row
@@ -41,7 +42,7 @@ class LaunchedStep:
     def __init__(self, step: RunnerStep, sampled_requests: Iterable[RunnerRequest] = (),
                  token_ids: Optional[torch.Tensor] = None, logprobs: Optional[LogprobRows] = None,
                  prompt_logprobs: Optional[PendingPromptLogprobs] = None,
-                 pooled: Optional[dict[str, PooledChunk]] = None, record: bool = True) -> None:
+                 pooled: Optional[PendingPooled] = None, record: bool = True) -> None:
         """``record``: the rows' requests are the runner's copies, which take pending tokens
         (not so for the dummy requests of warm-up, profiling and capture)."""
         self.requests = list(sampled_requests)
@@ -55,10 +56,12 @@ class LaunchedStep:
         # (None: a step that samples nothing here, e.g. a pipeline stage before the last.)
         self._chunks = [(c.request, c.draft_token_ids, None if c.draft_token_ids or not record
                          else _placeholder(c.request)) for c in step.chunks if c.produces_token and self.requests]
-        # Everything the host reads of this step, copied off the device together, from now on.
-        sampled = [token_ids] if token_ids is not None and self.requests else []
-        self._copy = HostCopy([*sampled, *(logprobs.tensors() if logprobs is not None else ()),
-                               *(prompt_logprobs.tensors() if prompt_logprobs is not None else ())])
+        # Everything the host reads of this step, copied off the device together, from now on:
+        # the sampled ids, the logprobs, the prompt logprobs, the pooled values, in that order.
+        parts = [[token_ids] if token_ids is not None and self.requests else [],
+                 *(x.tensors() if x is not None else [] for x in (logprobs, prompt_logprobs, pooled))]
+        self._copy = HostCopy([t for part in parts for t in part])
+        self._sizes = [len(part) for part in parts]
         self._result: Optional[ModelRunnerOutput] = None
 
     @property
@@ -77,13 +80,12 @@ class LaunchedStep:
 
     def _read(self) -> ModelRunnerOutput:
         host = self._copy.wait()
-        prompt_logprobs = None
-        if self._prompt_logprobs is not None:  # its tensors come last
-            count = len(self._prompt_logprobs.tensors())
-            prompt_logprobs = self._prompt_logprobs.entries(host[len(host) - count:])
+        sampled_host, logprobs_host, prompt_host, pooled_host = _split(host, self._sizes)
+        prompt_logprobs = None if self._prompt_logprobs is None else self._prompt_logprobs.entries(prompt_host)
+        pooled = None if self._pooled is None else self._pooled.read(pooled_host)
         if not self.requests:
-            return ModelRunnerOutput({}, None, prompt_logprobs, self._pooled)
-        ids = host[0].tolist()
+            return ModelRunnerOutput({}, None, prompt_logprobs, pooled)
+        ids = sampled_host[0].tolist()
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         row = 0
@@ -100,9 +102,18 @@ class LaunchedStep:
                 request.output_token_ids[slot] = token_id
         logprobs = None
         if self._logprobs is not None:
-            rows = self._logprobs.entries(ids, host[1:1 + len(self._logprobs.tensors())])
+            rows = self._logprobs.entries(ids, logprobs_host)
             logprobs = {r.request_id: lp for r, lp in zip(self.requests, rows) if lp is not None}
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, self._pooled, accepted or None)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled, accepted or None)
+
+
+def _split(flat: list[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
+    """``flat`` cut into consecutive parts of ``sizes``."""
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(flat[start:start + size])
+        start += size
+    return parts
 
 
 def _placeholder(request: RunnerRequest) -> int:

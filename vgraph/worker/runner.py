@@ -346,7 +346,7 @@ class ModelRunner:
         scoring = not record or self.requests.num_scoring
         pooling = not record or self.requests.num_pooling
         prompt_logprobs = compute_prompt_logprobs(rows, step, self.model.compute_logits) if scoring else None
-        pooled = (pooled_chunks(rows, step) or None) if pooling else None
+        pooled = pooled_chunks(rows, step) if pooling else None
         if not batch.sampled_requests:
             return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))

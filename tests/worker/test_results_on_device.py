@@ -1,9 +1,10 @@
-"""Logprobs stay on the device until their step is finished (worker/logprob_rows.py).
+"""A step's results stay on the device until it is finished: logprobs and prompt logprobs
+(worker/logprob_rows.py) and pooled states (worker/pooling.py).
 
 What a GPU needs, checked on the meta device: a meta tensor has no data, so any host read of
-one (``.tolist()``, ``.item()``) raises. The sampler and the prompt scorer run on meta inputs
-here, which shows that nothing in them waits for the device; the launched step reads the
-entries only in ``finish``."""
+one (``.tolist()``, ``.item()``) raises. The sampler, the prompt scorer and the pooling run on
+meta inputs here, which shows that nothing in them waits for the device; the launched step
+reads the results only in ``finish``."""
 from __future__ import annotations
 
 import pytest
@@ -87,3 +88,16 @@ def test_the_launched_step_reads_logprobs_when_finished():
 def test_host_copy_off_cuda_is_the_tensors_themselves():
     tensors = [torch.arange(3), torch.ones(2, 2)]
     assert all(a is b for a, b in zip(HostCopy(tensors).wait(), tensors))
+
+
+def test_pooling_reads_nothing_on_the_host_until_finished():
+    from vgraph.worker.pooling import pooled_chunks
+    mean = RunnerRequest("m", [1, 2, 3], SamplingParams(), pooling_type="mean")
+    last = RunnerRequest("l", [4, 5], SamplingParams(), pooling_type="last")
+    step = RunnerStep([RunnerChunk(mean, 3, 0, False), RunnerChunk(last, 2, 0, False)])
+    pending = pooled_chunks(torch.empty(5, 8, device="meta"), step)
+    assert pending.reduced == ["m", "l"] and pending.values.device.type == "meta"
+    hidden = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    launched = LaunchedStep(step, pooled=pooled_chunks(hidden, step))
+    pooled = launched.finish().pooled
+    assert torch.equal(pooled["m"].value, hidden[:3].sum(0)) and torch.equal(pooled["l"].value, hidden[4])
