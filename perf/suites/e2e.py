@@ -47,6 +47,7 @@ the 8B shape at batch 1 and 64 streams only, to fit a 10-minute device call.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import statistics
 import tempfile
@@ -55,6 +56,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
+
+from vgraph.engine.step_trace import ENV as STEP_TRACE_ENV
 
 from ..timing import time_variants, write_results
 from .cpu_peers import FIRST_REGULAR_ID, TOKENIZER_VOCAB, timing_summary
@@ -272,9 +275,12 @@ def served(path: str, device: str, plan: Plan, dummy: bool, cfg: Optional[dict],
     def prompt_of(i: int) -> list[int]:
         return prompts[i % len(prompts)]
 
+    traces = {n: tempfile.NamedTemporaryFile(prefix=f"vgraph-e2e-steps-{n}-", suffix=".jsonl", delete=False).name
+              for n in VGRAPH}
     for group in groups:
         servers = {n: ServerUnderTest(device, eager=False, max_num_seqs=max(plan.streams),
-                                      extra_args=server_args(path, device, plan, dummy, VGRAPH[n])) for n in group}
+                                      extra_args=server_args(path, device, plan, dummy, VGRAPH[n]),
+                                      extra_env={STEP_TRACE_ENV: traces[n]}) for n in group}
         try:
             for n, server in servers.items():
                 startup[n] = server.wait_ready()
@@ -300,11 +306,31 @@ def served(path: str, device: str, plan: Plan, dummy: bool, cfg: Optional[dict],
                           "ttft_p50_ms": statistics.median(lv["ttft_ms"]["p50"] for lv in levels[n, c]),
                           "itl_p99_ms": statistics.median(lv["itl_ms"]["p99"] for lv in levels[n, c]),
                           "requests": sum(lv["requests"] for lv in levels[n, c]),
-                          "levels": [{k: v for k, v in lv.items() if k != "samples"} for lv in levels[n, c]]}
+                          "levels": levels[n, c]}
         print(f"  served {c} streams: " + ", ".join(f"{n} {v['tok_s']:.0f} tok/s" for n, v in rows[c].items()),
               flush=True)
     return {"interleaved": together, "rounds": rounds, "startup_to_ready_s": startup,
-            "exit_codes_after_sigterm": exits, "rows": rows}
+            "exit_codes_after_sigterm": exits, "rows": rows, "engine_steps": {n: step_summary(traces[n]) for n in VGRAPH}}
+
+
+def step_summary(trace_path: str) -> dict:
+    """The served engine's own steps (``VGRAPH_STEP_TRACE``, warm-up included): how many, how
+    long the steps without a new request were (decode only) and the ones that scheduled one
+    (prefill), in ms. Why: a served ms/step well above the offline one is either slow steps or
+    time between them; this tells which."""
+    with open(trace_path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    os.unlink(trace_path)
+    out: dict[str, Any] = {"steps": len(records)}
+    if len(records) > 1:
+        out["wall_s"] = records[-1]["end"] - records[0]["start"]
+        out["busy_fraction"] = sum(r["end"] - r["start"] for r in records) / out["wall_s"]
+    for kind, chosen in (("decode", [r for r in records if not r["first_scheduled"]]),
+                         ("prefill", [r for r in records if r["first_scheduled"]])):
+        ms = sorted((r["end"] - r["start"]) * 1e3 for r in chosen)
+        out[kind] = {"steps": len(ms), **({"p50_ms": ms[len(ms) // 2], "p90_ms": ms[int(len(ms) * 0.9)],
+                                           "total_s": sum(ms) / 1e3} if ms else {})}
+    return out
 
 
 def model_folder(plan: Plan, layers: Optional[int], tmp: str) -> tuple[str, bool, Optional[dict]]:
@@ -336,7 +362,8 @@ def run_shape(plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs
             "build_s": dict(vg["build_s"]),
             "interleaved": {"vgraph_offline": vg["interleaved"], "served": srv.get("interleaved")},
             "errors": {"served": srv["error"]} if "error" in srv else {},
-            "server": {k: srv.get(k) for k in ("rounds", "startup_to_ready_s", "exit_codes_after_sigterm")}}
+            "server": {k: srv.get(k) for k in ("rounds", "startup_to_ready_s", "exit_codes_after_sigterm",
+                                               "engine_steps")}}
 
 
 def add_peers(shape: dict, plan: Plan, device: str, layers: Optional[int], tmp: str, copy_gbs: float) -> None:
@@ -423,6 +450,17 @@ def headline_figures(result: dict) -> dict[str, float]:
             for name, c in row["systems"].items()}
 
 
+def step_line(steps: dict) -> str:
+    """One line of ``step_summary``."""
+    parts = [f"{steps['steps']} steps"]
+    if "busy_fraction" in steps:
+        parts.append(f"busy {steps['busy_fraction']:.0%} of {steps['wall_s']:.1f} s")
+    for kind in ("decode", "prefill"):
+        k = steps[kind]
+        parts.append(f"{kind} {k['steps']}" + (f" (p50 {k['p50_ms']:.2f} / p90 {k['p90_ms']:.2f} ms)" if k["steps"] else ""))
+    return ", ".join(parts)
+
+
 def summarize(result: dict) -> str:
     cfg = result["config"]
     lines = [f"e2e, {cfg['dtype']}, {cfg['device']}; copy bandwidth {result['bandwidth']['copy_gbs']:.1f} GB/s; "
@@ -443,6 +481,8 @@ def summarize(result: dict) -> str:
                          "with a static cache")
         for what, error in s.get("errors", {}).items():
             lines.append(f"{what}: FAILED, not measured: {error}")
+        for name, steps in (s.get("server", {}).get("engine_steps") or {}).items():
+            lines.append(f"served engine steps, {name}: " + step_line(steps))
         same = [row["batch"] for row in s["offline"] if not row["async_sync_tokens_equal"]]
         lines.append("async vs sync tokens: " + ("identical at every batch" if not same else f"DIFFER at {same}"))
     for key, t in result["target"].items():

@@ -116,3 +116,15 @@ def test_a_failing_peer_or_server_keeps_the_vgraph_rows(monkeypatch, tmp_path):
     text = e2e.summarize(result)
     assert "served: FAILED, not measured: RuntimeError: vgraph serve exited with 1" in text
     assert "hf_static_compile: generate() compiled no forward" in text
+
+
+def test_step_summary_splits_decode_and_prefill_steps(tmp_path):
+    import json
+    trace = tmp_path / "steps.jsonl"
+    steps = [(0.0, 0.010, 1), (0.010, 0.012, 0), (0.013, 0.015, 0), (0.015, 0.017, 0)]
+    trace.write_text("".join(json.dumps({"start": a, "end": b, "first_scheduled": f}) + "\n" for a, b, f in steps))
+    out = e2e.step_summary(str(trace))
+    assert out["steps"] == 4 and not trace.exists()
+    assert out["prefill"]["steps"] == 1 and out["decode"]["steps"] == 3
+    assert abs(out["decode"]["p50_ms"] - 2.0) < 1e-9 and abs(out["busy_fraction"] - 16 / 17) < 1e-9
+    assert "decode 3 (p50 2.00" in e2e.step_line(out)
