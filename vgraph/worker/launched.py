@@ -142,8 +142,22 @@ class PendingInputs:
         input_ids[self.rows] = torch.cat([ids[index] for ids, index in self.sources])
 
 
+@dataclass(frozen=True)
+class PendingPrefix:
+    """The steady decode's case of ``PendingInputs``: the new batch's first ``count`` rows take
+    the earlier step's first ``count`` sampled ids, row for row (the same requests in the same
+    order). One device copy, and no index tensors to upload: on a GPU the general form costs
+    two uploads, a gather, a concatenation and a scatter on the host's clock every step."""
+
+    ids: torch.Tensor  # the earlier step's sampled ids
+    count: int
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        input_ids[:self.count].copy_(self.ids[:self.count])
+
+
 def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: torch.device,
-                   rows_per_chunk: int = 0) -> Optional[PendingInputs]:
+                   rows_per_chunk: int = 0) -> Optional[PendingInputs | PendingPrefix]:
     """The rows of ``step`` whose input is a pending token of an unfinished launched step, or
     None (the serial loop: every token is known when a step is built). ``rows_per_chunk``: the
     batch's fixed rows per chunk (a FULL verify batch, ``Decision.rows_per_chunk``), else 0."""
@@ -166,6 +180,8 @@ def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: t
     rows, sources = [], []
     for earlier in unfinished:
         found = [(row, wanted.pop(rid)) for rid, row in earlier.row_of().items() if rid in wanted]
+        if not wanted and not sources and all(a == b == i for i, (a, b) in enumerate(found)):
+            return PendingPrefix(earlier.token_ids, len(found))
         if found:
             sources.append((earlier.token_ids, device_tensor([f[0] for f in found], torch.int64, device)))
             rows.extend(f[1] for f in found)
