@@ -205,6 +205,30 @@ def test_full_padding_adds_empty_sequences_and_the_buffers_never_move():
                                            bufs.block_table, bufs.seq_lens, bufs.query_start_loc)]
 
 
+def test_a_full_batch_is_written_into_the_buffers_it_replays_from():
+    """With the decode buffers given, the builder writes a FULL batch straight into them (one
+    copy per array, no batch tensors of its own): the same values ``fill`` would copy, the
+    same views, and ``fill`` then copies nothing."""
+    s = _scheduler()
+    sched = _decode_sched(s, [5, 9, 2])
+    decision = Decision(Path.FULL, 4, sched.num_batched_tokens)
+    copied = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu"))
+    want = copied.fill(BUILDER.build(sched, decision))
+    bufs = DecodeBuffers(max_seqs=8, max_blocks_per_seq=16, device=torch.device("cpu"))
+    batch = BUILDER.build(sched, decision, bufs)
+    assert batch.resident and batch.input_ids.data_ptr() == bufs.input_ids.data_ptr()
+    view = bufs.fill(batch)
+    assert view.input_ids is batch.input_ids and view.attn_metadata is batch.attn_metadata
+    for got, expected in zip(bufs.tensors(), copied.tensors()):
+        assert torch.equal(got, expected)
+    assert (view.attn_metadata.max_seq_len, view.attn_metadata.num_kv_splits) == \
+        (want.attn_metadata.max_seq_len, want.attn_metadata.num_kv_splits)
+    assert batch.sample_indices.tolist() == [0, 1, 2] and batch.sample_indices.data_ptr() == bufs.row_indices.data_ptr()
+    with torch.inference_mode():
+        bufs.input_ids.fill_(-5)
+    assert bufs.fill(batch) is view and bufs.input_ids[0] == -5, "a resident batch is not copied again"
+
+
 def test_decode_buffers_reject_what_they_cannot_hold():
     s = _scheduler()
     sched = _decode_sched(s, [5, 9, 2])

@@ -13,7 +13,7 @@ sampled, so causal attention keeps the real rows' results; they stay inside ``nu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -23,6 +23,9 @@ from vgraph.ops.kernels.host import sm_count, wave_efficient_splits
 
 from .dispatch import Decision, Path
 from .runner_requests import RunnerRequest, RunnerStep
+
+if TYPE_CHECKING:
+    from .cuda_graphs import DecodeBuffers
 
 # The token id of padding rows: any valid id works (the row writes nothing and is dropped).
 PAD_TOKEN_ID = 0
@@ -57,6 +60,9 @@ class FlatBatch:
     # ``sample_indices`` again when those rows are all the step uses and fewer than it runs
     # (ForwardContext.output_rows: the model's tail may then run on them alone); else None.
     output_rows: Optional[torch.Tensor] = None
+    # A FULL batch written into the decode buffers (its tensors are their views): nothing to
+    # copy before replay (cuda_graphs.DecodeBuffers.write).
+    resident: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -111,9 +117,10 @@ class BatchBuilder:
         self.num_kv_heads = num_kv_heads
         self.max_model_len = max_model_len
 
-    def build(self, step: RunnerStep, decision: Decision) -> FlatBatch:
+    def build(self, step: RunnerStep, decision: Decision, resident: Optional["DecodeBuffers"] = None) -> FlatBatch:
         """Concatenates every scheduled chunk (tokens, positions, cache slots, block table
-        rows), pads to ``decision.bucket``, and moves it to the device in one go per tensor."""
+        rows), pads to ``decision.bucket``, and moves it to the device in one go per tensor:
+        a FULL batch into ``resident`` (the FULL graphs' persistent buffers) when given."""
         rows, sample_rows, sampled = self._rows(step, decision.rows_per_chunk)
         num_scheduled = len(rows.ids)
         padding = decision.bucket - num_scheduled
@@ -121,6 +128,8 @@ class BatchBuilder:
             raise ValueError(f"cannot pad {num_scheduled} tokens down to {decision.bucket}")
         if decision.path is Path.FULL:
             self._pad_sequences(rows, padding // decision.query_len, decision.query_len)
+            if resident is not None and self.stage_input is None:
+                return self._resident(rows, sample_rows, sampled, num_scheduled, decision, resident)
         else:
             self._pad_rows(rows, padding)
         meta = self._metadata(rows, decision)
@@ -130,6 +139,22 @@ class BatchBuilder:
         return FlatBatch(self._inputs(np.asarray(rows.ids, dtype=np.int64)),
                          self._dev(np.asarray(rows.positions, dtype=np.int64)), meta, sample_indices, sampled,
                          num_scheduled, output_rows)
+
+    def _resident(self, rows: _Rows, sample_rows: list[int], sampled: list[RunnerRequest], num_scheduled: int,
+                  decision: Decision, resident: "DecodeBuffers") -> FlatBatch:
+        """A FULL batch written into the decode buffers; a decode whose every row samples takes
+        its sample rows from their persistent ``0..B-1`` too."""
+        seqs = len(rows.q_lens)
+        inputs = resident.write(np.asarray(rows.ids, dtype=np.int64), np.asarray(rows.positions, dtype=np.int64),
+                                np.asarray(rows.slots, dtype=np.int64), np.asarray(rows.seq_lens, dtype=np.int32),
+                                _block_table(rows.tables), self.max_model_len,
+                                self.kv_splits(seqs, decision.query_len, self.max_model_len))
+        if decision.query_len == 1 and len(sample_rows) == num_scheduled:  # rows 0..n-1, ascending
+            sample_indices = resident.row_indices[:num_scheduled]
+        else:
+            sample_indices = self._dev(np.asarray(sample_rows, dtype=np.int64))
+        return FlatBatch(inputs.input_ids, inputs.positions, inputs.attn_metadata, sample_indices, sampled,
+                         num_scheduled, resident=True)
 
     def _inputs(self, ids: np.ndarray) -> torch.Tensor:
         """Token ids, or on a later pipeline stage the zeros its received rows go into."""

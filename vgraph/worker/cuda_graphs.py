@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 from unittest import mock
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -91,6 +92,8 @@ class DecodeBuffers:
         self.query_start_locs = {1: torch.arange(max_seqs + 1, **i32)}
         if verify_query_len > 1:
             self.query_start_locs[verify_query_len] = torch.arange(max_verify_seqs + 1, **i32) * verify_query_len
+        # The sample rows of a decode whose every row samples (0..B-1): never uploaded per step.
+        self.row_indices = torch.arange(rows, **long)
         self._views: dict[tuple[int, int], DecodeInputs] = {}
 
     @property
@@ -102,13 +105,14 @@ class DecodeBuffers:
     def fill(self, batch: FlatBatch) -> DecodeInputs:
         """Copies a FULL batch (already padded to its bucket by the builder) in place and
         returns the bucket's views (the same objects every time: the metadata a graph was
-        captured with is the metadata it replays with)."""
+        captured with is the metadata it replays with). A batch the builder wrote here
+        already (``write``) is not copied again."""
         meta, rows = batch.attn_metadata, batch.num_tokens
-        self._check(batch)
         seqs, q = meta.num_seqs, meta.max_query_len
-        view = self._views.get((rows, q))
-        if view is None:
-            view = self._views[(rows, q)] = self._view(rows, meta)
+        self._check(rows, seqs, q, meta.block_table.shape[1])
+        view = self._bucket_view(rows, seqs, q, meta.max_seq_len, meta.num_kv_splits)
+        if batch.resident:
+            return view
         self.input_ids[:rows].copy_(batch.input_ids)
         self.positions[:rows].copy_(batch.positions)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)
@@ -117,33 +121,52 @@ class DecodeBuffers:
         self.block_table[:seqs, :meta.block_table.shape[1]].copy_(meta.block_table)
         return view
 
-    def _view(self, rows: int, meta: AttentionMetadata) -> DecodeInputs:
-        seqs, q = meta.num_seqs, meta.max_query_len
-        views = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:rows], block_table=self.block_table[:seqs],
-            query_start_loc=self.query_start_locs[q][:seqs + 1], seq_lens=self.seq_lens[:seqs],
-            max_query_len=q, max_seq_len=meta.max_seq_len, num_kv_splits=meta.num_kv_splits)
-        return DecodeInputs(self.input_ids[:rows], self.positions[:rows], views)
+    @torch.inference_mode()
+    def write(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
+              table: np.ndarray, max_seq_len: int, num_kv_splits: int) -> DecodeInputs:
+        """A FULL batch's host arrays (padded to its bucket) copied straight into the buffers;
+        returns the bucket's views. Why: each array then crosses once, into the place the graph
+        reads, where a batch tensor of its own and a second copy before replay (``fill``) were
+        two driver calls per array on a GPU host's clock every step."""
+        rows, seqs = ids.shape[0], seq_lens.shape[0]
+        q = rows // max(seqs, 1)
+        self._check(rows, seqs, q, table.shape[1])
+        view = self._bucket_view(rows, seqs, q, max_seq_len, num_kv_splits)
+        for buffer, array in ((self.input_ids, ids), (self.positions, positions), (self.slot_mapping, slots),
+                              (self.seq_lens, seq_lens)):
+            buffer[:array.shape[0]].copy_(torch.from_numpy(array), non_blocking=True)
+        # Columns past the batch's width keep stale ids: no sequence reads past its length.
+        self.block_table[:seqs, :table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        return view
+
+    def _bucket_view(self, rows: int, seqs: int, q: int, max_seq_len: int, num_kv_splits: int) -> DecodeInputs:
+        """The bucket's views, made on first use and the same objects from then on."""
+        view = self._views.get((rows, q))
+        if view is None:
+            meta = AttentionMetadata(
+                slot_mapping=self.slot_mapping[:rows], block_table=self.block_table[:seqs],
+                query_start_loc=self.query_start_locs[q][:seqs + 1], seq_lens=self.seq_lens[:seqs],
+                max_query_len=q, max_seq_len=max_seq_len, num_kv_splits=num_kv_splits)
+            view = self._views[(rows, q)] = DecodeInputs(self.input_ids[:rows], self.positions[:rows], meta)
+        return view
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every persistent buffer (what FULL graphs read in place)."""
+        """Every persistent buffer (what FULL graphs read in place, and the sample rows)."""
         return [self.input_ids, self.positions, self.slot_mapping, self.block_table, self.seq_lens,
-                *self.query_start_locs.values()]
+                *self.query_start_locs.values(), self.row_indices]
 
     @property
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
-    def _check(self, batch: FlatBatch) -> None:
-        meta, n = batch.attn_metadata, batch.num_tokens
-        q = meta.max_query_len
-        if q not in self.query_start_locs or n != meta.num_seqs * q:
-            raise ValueError(f"not a FULL batch: {n} tokens in {meta.num_seqs} sequences, "
-                             f"max_query_len {q}")
-        if n > self.max_rows or meta.num_seqs > self.query_start_locs[q].shape[0] - 1:
-            raise ValueError(f"{meta.num_seqs} sequences of {q} rows exceed the largest FULL bucket")
-        if meta.block_table.shape[1] > self.block_table.shape[1]:
-            raise ValueError(f"block table of width {meta.block_table.shape[1]} exceeds the "
+    def _check(self, n: int, seqs: int, q: int, width: int) -> None:
+        """``n`` rows in ``seqs`` sequences of ``q`` rows each, block tables ``width`` wide."""
+        if q not in self.query_start_locs or n != seqs * q:
+            raise ValueError(f"not a FULL batch: {n} tokens in {seqs} sequences, max_query_len {q}")
+        if n > self.max_rows or seqs > self.query_start_locs[q].shape[0] - 1:
+            raise ValueError(f"{seqs} sequences of {q} rows exceed the largest FULL bucket")
+        if width > self.block_table.shape[1]:
+            raise ValueError(f"block table of width {width} exceeds the "
                              f"persistent buffer's {self.block_table.shape[1]} (max_model_len / block_size)")
 
 
@@ -225,8 +248,9 @@ class ForwardRunner:
         return choose(BatchShape.of_step(step), self.buckets, self.mode)
 
     def build(self, step: RunnerStep) -> tuple[FlatBatch, Decision]:
+        """The step's batch; a FULL one written straight into the decode buffers."""
         decision = self.decide(step)
-        return self.builder.build(step, decision), decision
+        return self.builder.build(step, decision, self.decode_buffers), decision
 
     def run(self, batch: FlatBatch, decision: Decision) -> torch.Tensor:
         """Hidden states of the batch's real rows (padding dropped), or of its
