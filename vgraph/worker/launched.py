@@ -57,11 +57,15 @@ class LaunchedStep:
         self._chunks = [(c.request, c.draft_token_ids, None if c.draft_token_ids or not record
                          else _placeholder(c.request)) for c in step.chunks if c.produces_token and self.requests]
         # Everything the host reads of this step, copied off the device together, from now on:
-        # the sampled ids, the logprobs, the prompt logprobs, the pooled values, in that order.
-        parts = [[token_ids] if token_ids is not None and self.requests else [],
-                 *(x.tensors() if x is not None else [] for x in (logprobs, prompt_logprobs, pooled))]
-        self._copy = HostCopy([t for part in parts for t in part])
-        self._sizes = [len(part) for part in parts]
+        # the sampled ids, then the logprobs, the prompt logprobs and the pooled values.
+        tensors = [token_ids] if token_ids is not None and self.requests else []
+        self._logprobs_at = len(tensors)
+        tensors += logprobs.tensors() if logprobs is not None else ()
+        self._prompt_at = len(tensors)
+        tensors += prompt_logprobs.tensors() if prompt_logprobs is not None else ()
+        self._pooled_at = len(tensors)
+        tensors += pooled.tensors() if pooled is not None else ()
+        self._copy = HostCopy(tensors)
         self._result: Optional[ModelRunnerOutput] = None
 
     @property
@@ -80,12 +84,12 @@ class LaunchedStep:
 
     def _read(self) -> ModelRunnerOutput:
         host = self._copy.wait()
-        sampled_host, logprobs_host, prompt_host, pooled_host = _split(host, self._sizes)
-        prompt_logprobs = None if self._prompt_logprobs is None else self._prompt_logprobs.entries(prompt_host)
-        pooled = None if self._pooled is None else self._pooled.read(pooled_host)
+        prompt_logprobs = (None if self._prompt_logprobs is None
+                           else self._prompt_logprobs.entries(host[self._prompt_at:self._pooled_at]))
+        pooled = None if self._pooled is None else self._pooled.read(host[self._pooled_at:])
         if not self.requests:
             return ModelRunnerOutput({}, None, prompt_logprobs, pooled)
-        ids = sampled_host[0].tolist()
+        ids = host[0].tolist()
         sampled: dict[str, int] = {}
         accepted: dict[str, list[int]] = {}
         row = 0
@@ -102,18 +106,9 @@ class LaunchedStep:
                 request.output_token_ids[slot] = token_id
         logprobs = None
         if self._logprobs is not None:
-            rows = self._logprobs.entries(ids, logprobs_host)
+            rows = self._logprobs.entries(ids, host[self._logprobs_at:self._prompt_at])
             logprobs = {r.request_id: lp for r, lp in zip(self.requests, rows) if lp is not None}
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, pooled, accepted or None)
-
-
-def _split(flat: list[torch.Tensor], sizes: list[int]) -> list[list[torch.Tensor]]:
-    """``flat`` cut into consecutive parts of ``sizes``."""
-    parts, start = [], 0
-    for size in sizes:
-        parts.append(flat[start:start + size])
-        start += size
-    return parts
 
 
 def _placeholder(request: RunnerRequest) -> int:

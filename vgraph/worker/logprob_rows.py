@@ -88,7 +88,7 @@ class HostCopy:
     are on the host already and ``wait`` returns them."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        if not any(t.device.type == "cuda" for t in tensors):
+        if not any(t.is_cuda for t in tensors):
             self._host, self._ready = list(tensors), None
             return
         self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
