@@ -245,6 +245,36 @@ def test_each_mode_captures_its_graphs_and_generates_the_same_tokens(emulation, 
     assert engine.runner.compile_counters.recompiles == 0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_graphs_through_dynamos_frame_never_recompile(emulation, prompts, monkeypatch, overlap):
+    """On CPU the forward is usually the captured graph called directly, with no Dynamo frame
+    and so no guards; a GPU keeps Dynamo's frame when ``adopt_capture`` declines (the direct
+    call differed), and there any input the trace did not see (another dtype, a non-inference
+    tensor, a view at another storage offset) is a recompile, which raises. Here the frame is
+    kept on purpose, and capture, FULL and PIECEWISE replays, prefill and decode steps, serial
+    and overlapped, must all run on the one trace. The sizes start at 2: the trace guards on
+    two rows or more (a fake tensor's stride computation), so one row needs the direct call
+    (``compiled_forward.py``)."""
+    from vgraph.compiler.backend import VgraphBackend
+    from vgraph.compiler.compiled_forward import CompiledForward
+    monkeypatch.setattr(VgraphBackend, "adopt_capture", lambda self, *args: None)
+    torch._dynamo.reset()  # this engine's trace the only entry, as in a server's one-engine process
+    sizes = [s for s in SIZES if s >= 2]
+    llm, _ = _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, async_scheduling=overlap,
+                           compile_config=CompileConfig(cudagraph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+                                                        cudagraph_capture_sizes=sizes, use_cache=False))
+    runner = llm.engine.runner
+    assert isinstance(runner.graphs.forward_fn.forward, CompiledForward), "Dynamo's frame serves"
+    runner.graphs.dispatch_counts.clear()
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:7]], params, use_tqdm=False)
+    path = tiny_checkpoint(arch="llama")
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
+    assert {p for p, _ in runner.graphs.dispatch_counts} == {Path.FULL, Path.PIECEWISE}
+    assert runner.compile_counters.recompiles == 0
+
+
 # ------------------------------------------------------------------------------ unit level
 
 

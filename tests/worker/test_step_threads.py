@@ -90,6 +90,8 @@ def test_no_chooser_where_there_is_nothing_to_choose(monkeypatch):
         assert StepThreads.for_engine(torch.device("cpu"), 1) is not None
         assert StepThreads.for_engine(torch.device("cuda"), 1) is None
         assert StepThreads.for_engine(torch.device("cpu"), 2) is None  # ranks wait on each other
+        # Dynamo's frame serves: it guards on the thread count, a change would recompile
+        assert StepThreads.for_engine(torch.device("cpu"), 1, fixed_threads=True) is None
         monkeypatch.setenv(step_threads.ENV, "all")
         assert StepThreads.for_engine(torch.device("cpu"), 1) is None
         torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any, Callable, ContextManager, Optional, Protocol
 
@@ -78,6 +79,14 @@ class LadderForward:
     def forward(self) -> Optional[Forward]:
         """What serves every call after the first (a captured graph's direct call, say)."""
         return self._forward
+
+    @property
+    def guards_global_state(self) -> bool:
+        """Whether Dynamo's frame serves (the direct call was declined): it guards on global
+        state such as torch's thread count, so changing that between calls would recompile."""
+        # Not imported here: a warm start imports no Dynamo, and then nothing traced either.
+        traced = sys.modules.get(f"{__package__}.compiled_forward")
+        return traced is not None and isinstance(self._forward, traced.CompiledForward)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._forward is not None:

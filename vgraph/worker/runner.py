@@ -98,9 +98,6 @@ class ModelRunner:
         self.sampling = SamplingMetadataCache(self.vocab_size, self.device)
         self.requests = RunnerRequests()  # the runner's copy of every planned, unfinished request
         self.stage = pp_stage()
-        # CPU: all threads or one per step size, as measured (step_threads.py); None elsewhere.
-        self.step_threads = StepThreads.for_engine(
-            self.device, config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size)
         # Activations to and from the neighbouring stages; None with one stage.
         self.link: Optional[StageLink] = StageLink(self.stage) if self.stage.size > 1 else None
         stage_input = None if self.stage.is_first else StageInput(2 * m.hidden_size, m.dtype)
@@ -123,6 +120,11 @@ class ModelRunner:
                                   weights=[*m.parameters(), *m.buffers()], kv_scales=self.kv_scales)
         self._warm_up()
         t3 = time.perf_counter()
+        # CPU: all threads or one per step size, as measured (step_threads.py); None elsewhere,
+        # and where Dynamo's frame serves (it guards on the thread count: a change recompiles).
+        self.step_threads = StepThreads.for_engine(
+            self.device, config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size,
+            fixed_threads=getattr(forward, "guards_global_state", False))
         # Read after the warm-up: a warm forward that failed there has been replaced.
         self.compile_counters: Optional[CompileCounters] = getattr(forward, "counters", None)
         self.compile_cache: Optional["CompileCache"] = getattr(forward, "cache", None)

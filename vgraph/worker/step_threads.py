@@ -65,11 +65,13 @@ class StepThreads:
         self._classes: dict[int, _SizeClass] = {}
 
     @classmethod
-    def for_engine(cls, device: torch.device, ranks: int) -> Optional["StepThreads"]:
+    def for_engine(cls, device: torch.device, ranks: int, fixed_threads: bool = False) -> Optional["StepThreads"]:
         """The chooser for a runner on ``device`` in a group of ``ranks``; None where nothing is
-        to choose (a GPU, one thread, several ranks, or ``VGRAPH_CPU_STEP_THREADS=all``)."""
+        to choose (a GPU, one thread, several ranks, ``VGRAPH_CPU_STEP_THREADS=all``) or where
+        the thread count must stay as it is (``fixed_threads``: the forward guards on it)."""
         threads = torch.get_num_threads()
-        if device.type != "cpu" or threads < 2 or ranks > 1 or os.environ.get(ENV, "").lower() == "all":
+        if (device.type != "cpu" or threads < 2 or ranks > 1 or fixed_threads
+                or os.environ.get(ENV, "").lower() == "all"):
             return None
         return cls(threads)
 
