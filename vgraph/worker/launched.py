@@ -28,7 +28,6 @@ from .runner_requests import PENDING, RunnerRequest, RunnerStep
 from .sampler import device_tensor
 
 
-
 class LaunchedStep:
     """One step's results as they come off the device: the sampled ids, the logprobs and prompt
     logprobs and the pooled states: device tensors whose copies to the host start at launch on
