@@ -166,3 +166,47 @@ def test_penalties_count_pending_tokens_without_waiting_for_them(serial, overlap
         del runner.launch  # the class's method again
     assert got == expected
     assert earlier_finished and not any(earlier_finished), "no launch waited for the step in flight"
+
+
+def test_a_launch_reads_nothing_back_from_the_device(overlapped):
+    """Launching a step enqueues work and returns: a host read of a tensor there (``.tolist()``,
+    ``.item()``, ``bool()``, ...) is, on a GPU, a wait for the device that undoes the overlap.
+    Every tensor read made inside ``launch`` is recorded over a workload of every feature that
+    has device results (logprobs, prompt logprobs, penalties, seeds, min_tokens, embeddings);
+    the only reads allowed are the CPU attention kernel's planning of its own host tensors."""
+    import sys
+    import torch
+    runner = overlapped.engine.runner
+    launch, reads = runner.launch, []
+    names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def recording(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            reads.append((name, sys._getframe(1).f_code.co_filename))
+            return original(self, *args, **kwargs)
+        return read
+
+    def launch_recorded(*args, **kwargs):
+        for name in names:
+            setattr(torch.Tensor, name, recording(name))
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+    params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, frequency_penalty=0.2),
+              SamplingParams(temperature=0.8, max_tokens=8, top_p=0.9, top_k=5, seed=3),
+              SamplingParams(temperature=0, max_tokens=8, min_tokens=4)]
+    runner.launch = launch_recorded
+    try:
+        overlapped.generate(["a b c", "hello", "x y", "min tokens"], params, use_tqdm=False)
+        overlapped.embed(["an embedding"], PoolingParams(pooling_type="mean"), use_tqdm=False)
+    finally:
+        del runner.launch  # the class's method again
+    assert reads, "the recorder saw the CPU attention's planning"
+    assert all(file.replace("\\", "/").endswith("/ops/cpu_attention.py") for _, file in reads), reads
