@@ -227,20 +227,27 @@ def test_a_full_body_over_the_batchs_own_tensors_is_refused(emulated, per_call, 
             full.capture((8, 1), lambda: graphs._forward_inputs(ids, inputs.positions, meta, None), graphs._persistent())
 
 
-@pytest.mark.parametrize("mode", [CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE])
-def test_each_mode_captures_its_graphs_and_generates_the_same_tokens(emulation, prompts, mode):
-    llm, report = _emulated_llm(mode)
-    engine, runner = llm.engine, llm.engine.runner
-    pieces = engine.runner.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
-    assert report.full_graphs == (len(engine.runner.graphs.buckets.full) if mode.has_full else 0)
-    assert report.piecewise_graphs == (pieces if mode.has_piecewise else 0)
-    runner.graphs.dispatch_counts.clear()
+def _paths_of_greedy_run_equal_to_transformers(llm, prompts) -> set:
+    """Generates greedily from ``prompts``, checks every token against transformers, and
+    returns the dispatch paths the run took."""
+    graphs = llm.engine.runner.graphs
+    graphs.dispatch_counts.clear()
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:6]], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     path = tiny_checkpoint(arch="llama")
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
-    paths = {p for p, _ in runner.graphs.dispatch_counts}
+    return {p for p, _ in graphs.dispatch_counts}
+
+
+@pytest.mark.parametrize("mode", [CudaGraphMode.FULL, CudaGraphMode.PIECEWISE, CudaGraphMode.FULL_AND_PIECEWISE])
+def test_each_mode_captures_its_graphs_and_generates_the_same_tokens(emulation, prompts, mode):
+    llm, report = _emulated_llm(mode)
+    engine = llm.engine
+    pieces = engine.runner.compile_counters.compiled_pieces * len(_piece_token_counts(SIZES))
+    assert report.full_graphs == (len(engine.runner.graphs.buckets.full) if mode.has_full else 0)
+    assert report.piecewise_graphs == (pieces if mode.has_piecewise else 0)
+    paths = _paths_of_greedy_run_equal_to_transformers(llm, prompts[:6])
     assert paths == ({Path.FULL} if mode.has_full else set()) | ({Path.PIECEWISE} if mode.has_piecewise else {Path.NONE})
     assert engine.runner.compile_counters.recompiles == 0
 
@@ -265,13 +272,7 @@ def test_graphs_through_dynamos_frame_never_recompile(emulation, prompts, monkey
                                                         cudagraph_capture_sizes=sizes, use_cache=False))
     runner = llm.engine.runner
     assert isinstance(runner.graphs.forward_fn.forward, CompiledForward), "Dynamo's frame serves"
-    runner.graphs.dispatch_counts.clear()
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:7]], params, use_tqdm=False)
-    path = tiny_checkpoint(arch="llama")
-    for prompt, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(path, tuple(prompt), NEW_TOKENS)[0]
-    assert {p for p, _ in runner.graphs.dispatch_counts} == {Path.FULL, Path.PIECEWISE}
+    assert _paths_of_greedy_run_equal_to_transformers(llm, prompts[:7]) == {Path.FULL, Path.PIECEWISE}
     assert runner.compile_counters.recompiles == 0
 
 
