@@ -17,9 +17,10 @@ GEMV's summation order would.
 
 Why it is not among the default passes: the fused kernel has every program normalize the
 whole row itself (ops/kernels/gemv.py), which trades a launch for re-reads of the row from
-L2, and on which side of even that lands per shape has not been measured on a GPU yet (run
-``python -m perf.decode_kernels_ab --norm`` there, or ``bash scripts/gpu_checks.sh
-kernels-norm``). Until then it is a pass to add: ``--pass
+L2. On an H200 (``python -m perf.decode_kernels_ab --rows 1,2 --chosen --norm``,
+perf/results/decode-kernels-cuda-norm.json) that loses on the 8B shape's 4096-wide rows (qkv
+0.78x, gate_up 0.92x) and wins on the 0.5B's 896 (1.29x, 1.06x), so a default would have to
+be chosen by width, which two shapes do not settle. Until then it is a pass to add: ``--pass
 vgraph.passes.norm_linear:NormLinearFusionPass`` (``CompileConfig(passes=[...])``).
 
 The norm's output must have the projection as its only user, as its ``x`` argument: with a

@@ -14,10 +14,15 @@ from vgraph.sampling_params import SamplingParams
 from vgraph.worker.launched import LaunchedStep
 from vgraph.worker.logprob_rows import HostCopy, LogprobRows
 from vgraph.worker.prompt_logprobs import compute_prompt_logprobs
-from vgraph.worker.runner_requests import RunnerChunk, RunnerRequest, RunnerStep
+from vgraph.worker.runner_requests import PENDING, RunnerChunk, RunnerRequest, RunnerStep
 from vgraph.worker.sampler import Sampler, SamplingMetadata
 
 V = 40
+
+
+def read_entries(rows: LogprobRows, token_ids: list[int]) -> list:
+    """``rows``' entries read at once (what a finished step does, without the step)."""
+    return rows.entries(token_ids, [t.cpu() for t in rows.tensors()])
 
 
 def _request(rid: str, prompt=(1, 2, 3, 4, 5), prompt_logprobs=None, **params) -> RunnerRequest:
@@ -29,7 +34,7 @@ def test_entries_put_the_scored_token_first_then_the_top_n():
     logprobs = torch.randn(3, V).log_softmax(-1)
     tokens = torch.tensor([5, 7, 9])
     rows = LogprobRows.of(logprobs, tokens, [2, None, 0])
-    entries = rows.read(tokens.tolist())
+    entries = read_entries(rows, tokens.tolist())
     assert entries[1] is None
     assert entries[2] == {9: pytest.approx(logprobs[2, 9].item())}
     top = logprobs[0].topk(2).indices.tolist()
@@ -46,7 +51,7 @@ def test_slices_joined_equal_one_pass():
     whole = LogprobRows.of(logprobs, tokens, counts)
     parts = LogprobRows.cat([LogprobRows.of(logprobs[:2], tokens[:2], counts[:2], top_n=3),
                              LogprobRows.of(logprobs[2:], tokens[2:], counts[2:], top_n=3)])
-    assert parts.read(tokens.tolist()) == whole.read(tokens.tolist())
+    assert read_entries(parts, tokens.tolist()) == read_entries(whole, tokens.tolist())
 
 
 def test_sampling_with_logprobs_reads_nothing_on_the_host():
@@ -77,7 +82,7 @@ def test_the_launched_step_reads_logprobs_when_finished():
     token_ids = torch.tensor([3])
     rows = LogprobRows.of(logprobs, token_ids, [1])
     launched = LaunchedStep(step, [request], token_ids, rows)
-    assert request.output_token_ids == [-1]  # the pending placeholder
+    assert request.output_token_ids == [PENDING]
     rows.chosen.fill_(-0.5)  # "the device" finishes the step after launch
     token_ids.fill_(4)
     out = launched.finish()

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from tests.worker.test_results_on_device import read_entries
 from vgraph.worker.runner_requests import RunnerRequest as Request
 from vgraph.sampling_params import SamplingParams
 from vgraph.worker.sampler import Sampler, SamplingMetadata, apply_penalties
@@ -126,7 +127,7 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
     requests = [_request(temperature=0.8, logprobs=4), _request(temperature=0.0, logprobs=0),
                 _request(temperature=1.0, repetition_penalty=1.5, output=[5], logprobs=2)]
     out = _sample(logits, requests)
-    entries = out.logprobs.read(out.token_ids.tolist())
+    entries = read_entries(out.logprobs, out.token_ids.tolist())
     reference = logits.log_softmax(-1)
     for row, n in enumerate([4, 0, 2]):
         entry = entries[row]
@@ -141,7 +142,7 @@ def test_logprobs_are_raw_log_softmax_with_top_n():
 
 def test_logprobs_none_for_rows_that_did_not_ask():
     out = _sample(torch.randn(2, V), [_request(logprobs=1), _request()])
-    entries = out.logprobs.read(out.token_ids.tolist())
+    entries = read_entries(out.logprobs, out.token_ids.tolist())
     assert entries[1] is None and len(entries[0]) in (1, 2)
 
 

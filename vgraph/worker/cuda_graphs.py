@@ -109,10 +109,10 @@ class DecodeBuffers:
         already (``write``) is not copied again."""
         meta, rows = batch.attn_metadata, batch.num_tokens
         seqs, q = meta.num_seqs, meta.max_query_len
+        if batch.resident:  # checked, viewed and written by ``write``
+            return self._views[(rows, q)]
         self._check(rows, seqs, q, meta.block_table.shape[1])
         view = self._bucket_view(rows, seqs, q, meta.max_seq_len, meta.num_kv_splits)
-        if batch.resident:
-            return view
         self.input_ids[:rows].copy_(batch.input_ids)
         self.positions[:rows].copy_(batch.positions)
         self.slot_mapping[:rows].copy_(meta.slot_mapping)

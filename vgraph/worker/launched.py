@@ -126,14 +126,19 @@ def _accepted(drafts: tuple[int, ...], targets: list[int]) -> int:
 
 @dataclass(frozen=True)
 class PendingInputs:
-    """Rows of a new batch whose input id is a token still pending on the device."""
+    """Rows of a new batch whose token is still pending on the device: as input ids
+    (``apply``), or for the penalties' counts of the sampled rows (``ids``)."""
 
-    rows: torch.Tensor  # [P] rows of the new batch's input_ids
+    rows: torch.Tensor  # [P] rows of the new batch
     sources: list[tuple[torch.Tensor, torch.Tensor]]  # (earlier step's sampled ids, [P_i] rows of it)
+
+    def ids(self) -> torch.Tensor:
+        """[P] the pending ids, in ``rows`` order, gathered on the device."""
+        return torch.cat([ids[index] for ids, index in self.sources])
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """Writes the pending ids into ``input_ids`` on the device (after the build's copy)."""
-        input_ids[self.rows] = torch.cat([ids[index] for ids, index in self.sources])
+        input_ids[self.rows] = self.ids()
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,7 @@ def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: t
     """The rows of ``step`` whose input is a pending token of an unfinished launched step, or
     None (the serial loop: every token is known when a step is built). ``rows_per_chunk``: the
     batch's fixed rows per chunk (a FULL verify batch, ``Decision.rows_per_chunk``), else 0."""
-    unfinished = [earlier for earlier in launched if not earlier.finished and earlier.token_ids is not None]
+    unfinished = _unfinished(launched)
     if not unfinished:
         return None  # nothing is pending: no walk over the step's rows
     wanted: dict[str, int] = {}  # request id -> row of the new batch
@@ -171,36 +176,49 @@ def pending_inputs(step: RunnerStep, launched: Iterable[LaunchedStep], device: t
         offset += rows_per_chunk or chunk.num_new_tokens
     if not wanted:
         return None
-    rows, sources = [], []
-    for earlier in unfinished:
-        found = [(row, wanted.pop(rid)) for rid, row in earlier.row_of().items() if rid in wanted]
-        if not wanted and not sources and all(a == b == i for i, (a, b) in enumerate(found)):
-            return PendingPrefix(earlier.token_ids, len(found))
-        if found:
-            sources.append((earlier.token_ids, device_tensor([f[0] for f in found], torch.int64, device)))
-            rows.extend(f[1] for f in found)
+    found = _found(wanted, unfinished)
     if wanted:
         raise RuntimeError(f"pending tokens of {sorted(wanted)} belong to no step in flight")
-    # Copied without waiting for the step in flight (device_tensor): ``torch.tensor(..., device=)``
-    # waited for it, 0.43 ms of each 1.37 ms batch-1 step of the 0.5B model on an H200.
-    return PendingInputs(device_tensor(rows, torch.int64, device), sources)
+    if len(found) == 1 and all(a == b == i for i, (a, b) in enumerate(found[0][1])):
+        return PendingPrefix(found[0][0].token_ids, len(found[0][1]))
+    return _pending(found, device)
 
 
 def pending_tokens(requests: list[RunnerRequest], launched: Iterable[LaunchedStep],
-                   device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(rows, ids)`` on the device: for each token of ``requests`` (the sampled rows of a new
-    batch) that is still pending in an unfinished launched step, its row and its id, taken from
-    that step's sampled tensor. None when nothing is pending (the serial loop)."""
-    unfinished = [earlier for earlier in launched if not earlier.finished and earlier.token_ids is not None]
+                   device: torch.device) -> Optional[PendingInputs]:
+    """For each token of ``requests`` (the sampled rows of a new batch) still pending in an
+    unfinished launched step: its row, and its id in that step's sampled tensor. None when
+    nothing is pending (the serial loop)."""
+    unfinished = _unfinished(launched)
     if not unfinished:
         return None
-    row_of = {r.request_id: i for i, r in enumerate(requests)}
-    rows, ids = [], []
+    found = _found({r.request_id: i for i, r in enumerate(requests)}, unfinished, once=False)
+    return _pending(found, device) if found else None
+
+
+def _unfinished(launched: Iterable[LaunchedStep]) -> list[LaunchedStep]:
+    return [earlier for earlier in launched if not earlier.finished and earlier.token_ids is not None]
+
+
+def _found(wanted: dict[str, int], unfinished: list[LaunchedStep],
+           once: bool = True) -> list[tuple[LaunchedStep, list[tuple[int, int]]]]:
+    """Per unfinished step holding some of ``wanted`` (request id -> row of the new batch): its
+    (row of the step, row of the new batch) pairs. ``once``: a request is taken from the first
+    step that holds it and popped from ``wanted`` (an input row takes one id); else from every
+    step that holds it (penalties count every pending token)."""
+    found = []
     for earlier in unfinished:
-        found = [(source, row_of[rid]) for rid, source in earlier.row_of().items() if rid in row_of]
-        if found:
-            ids.append(earlier.token_ids[device_tensor([f[0] for f in found], torch.int64, device)])
-            rows.extend(f[1] for f in found)
-    if not rows:
-        return None
-    return device_tensor(rows, torch.int64, device), torch.cat(ids)
+        pairs = [(row, wanted.pop(rid) if once else wanted[rid]) for rid, row in earlier.row_of().items()
+                 if rid in wanted]
+        if pairs:
+            found.append((earlier, pairs))
+    return found
+
+
+def _pending(found: list[tuple[LaunchedStep, list[tuple[int, int]]]], device: torch.device) -> PendingInputs:
+    # Copied without waiting for the step in flight (device_tensor): ``torch.tensor(..., device=)``
+    # waited for it, 0.43 ms of each 1.37 ms batch-1 step of the 0.5B model on an H200.
+    sources = [(earlier.token_ids, device_tensor([a for a, _ in pairs], torch.int64, device))
+               for earlier, pairs in found]
+    rows = [b for _, pairs in found for _, b in pairs]
+    return PendingInputs(device_tensor(rows, torch.int64, device), sources)

@@ -75,10 +75,6 @@ class LogprobRows:
             out.append(entry)
         return out
 
-    def read(self, token_ids: Sequence[int]) -> list[Optional[dict[int, float]]]:
-        """``entries`` read at once (waits for the device): for callers outside a step."""
-        return self.entries(token_ids, [t.cpu() for t in self.tensors()])
-
 
 class HostCopy:
     """Device tensors copied to the host, started at once and read when needed.

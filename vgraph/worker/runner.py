@@ -353,8 +353,9 @@ class ModelRunner:
             return LaunchedStep(step, prompt_logprobs=prompt_logprobs, pooled=pooled, record=record)
         logits = self.model.compute_logits(batch.sampled_hidden(rows))
         # Penalties count the earlier steps' tokens: those still pending are counted on the device.
-        pending = (pending_tokens(batch.sampled_requests, self.launched, self.device)
+        counted = (pending_tokens(batch.sampled_requests, self.launched, self.device)
                    if record and self.launched and _reads_output_tokens(batch.sampled_requests) else None)
+        pending = None if counted is None else (counted.rows, counted.ids())
         meta = (self.sampling.get(batch.sampled_requests, masks, pending) if record
                 else SamplingMetadata.from_requests(batch.sampled_requests, self.vocab_size, self.device, masks))
         drafts = None if self.config.speculative_config is None else _draft_rows(step, self.device)
