@@ -6,6 +6,11 @@
 #          plus what openai 3.x imports (the server tests' client), which that script does not fetch:
 #          python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #            --platform manylinux2014_x86_64 -d .gpu-wheels httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+#          and the served load generator's client (perf/suites/serving.py), aiohttp:
+#          python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#            --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu-wheels \
+#            aiohttp==3.14.5 multidict==7.2.1 yarl==1.25.1 frozenlist==1.8.0 aiosignal==1.4.0 \
+#            aiohappyeyeballs==2.7.1 propcache==0.5.4 attrs==26.1.0
 #   tool:  run(command="bash scripts/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=600)
 #   then, on the still-warm machine, what the summary's last line names, with the time left:
 #          run(command="GPU_CHECKS_BUDGET_S=200 bash scripts/gpu_checks.sh STEP ...", carry=[".gpu-wheels"])
@@ -108,6 +113,7 @@ setup() {
   else
     echo "no .gpu-wheels/*.whl: vgraph serve, the served e2e rows and the server tests will fail"
   fi
+  "$PY" -c 'import aiohttp' 2>/dev/null || echo "no aiohttp (see the top of this script): the served e2e rows will fail"
   "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c 'import torch, vgraph; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'

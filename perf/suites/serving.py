@@ -7,7 +7,11 @@ includes everything the engine's own timers do not see (the event loop, SSE fram
 kernel's socket buffers, GIL contention between the HTTP thread and the engine thread). So the
 server runs as a separate process started the way a user starts it (``vgraph serve`` on the
 demo model, compiled by default, and ``--enforce-eager`` for reference), and the client here
-speaks plain HTTP with ``httpx``, timestamping each SSE event as it arrives.
+speaks plain HTTP with ``aiohttp``, timestamping each SSE event as it arrives. Why aiohttp (as
+``vllm bench serve`` uses) and not httpx: a load generator must not be what it measures, and
+httpx's connection pool cost the client about 5 ms per new request at 64 connections, so a wave
+of 64 requests reached the server over 300-450 ms after the client had started them all, which
+the results then counted as the server's time to first token (``python -m perf.client_ab``).
 
 Every request: a streaming ``/v1/completions`` with a distinct prompt of ~48 tokens (so the
 prefix cache does not shortcut prefills), greedy, ``ignore_eos``, a fixed number of new tokens.
@@ -53,8 +57,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Any, Awaitable, Callable, Optional, Sequence
+from typing import IO, Any, AsyncIterator, Awaitable, Callable, Optional, Sequence
 
+import aiohttp
 import httpx
 
 CONCURRENCY = (1, 8, 32)
@@ -164,47 +169,57 @@ class ServerUnderTest:
             return f.read()[-4000:]
 
 
-async def _one_stream(client: httpx.AsyncClient, url: str, index: int, max_tokens: int,
+def request_body(prompt: str | list[int], max_tokens: int) -> dict[str, Any]:
+    return {"model": "demo-model-v1", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0, "stream": True}
+
+
+async def _one_stream(session: aiohttp.ClientSession, url: str, index: int, max_tokens: int,
                       scheduled: Optional[float] = None,
                       prompt_of: Callable[[int], str | list[int]] = _prompt) -> dict[str, Any]:
     """One streamed request, timed from inside its task, so an open-loop request that the event
     loop started late is timed from its real send (the lateness is kept separately).
     ``prompt_of(index)``: the prompt, text or token ids (the e2e suite sends fixed-length ids)."""
-    body = {"model": "demo-model-v1", "prompt": prompt_of(index), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0, "stream": True}
     sent = time.perf_counter()
-    first: Optional[float] = None
-    last: Optional[float] = None
-    gaps: list[float] = []
-    tokens = events = 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    async with session.post(url + "/v1/completions", json=request_body(prompt_of(index), max_tokens)) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            new = sum(len(c["logprobs"]["tokens"]) for c in chunk["choices"] if c.get("logprobs"))
-            if not new:
-                continue
-            events += 1
-            tokens += new
-            if first is None:
-                first = now
-            else:
-                gaps.extend([(now - last) / new] * new)
-            last = now
-    done = time.perf_counter()
+        events = await timed_events(response.content)  # one SSE line at a time
+    return stream_record(index, max_tokens, sent, events, time.perf_counter(), scheduled)
+
+
+async def timed_events(lines: AsyncIterator[bytes | str]) -> list[tuple[float, int]]:
+    """(arrival time, tokens) of each SSE event that carries tokens (counted by their logprobs
+    entries, so a token that completes no printable character still counts)."""
+    out = []
+    async for line in lines:
+        if line[:7] not in (b"data: {", "data: {"):
+            continue
+        now = time.perf_counter()
+        chunk = json.loads(line[6:])
+        new = sum(len(c["logprobs"]["tokens"]) for c in chunk["choices"] if c.get("logprobs"))
+        if new:
+            out.append((now, new))
+    return out
+
+
+def stream_record(index: int, max_tokens: int, sent: float, events: list[tuple[float, int]], done: float,
+                  scheduled: Optional[float]) -> dict[str, Any]:
+    """One request's timings from its events: TTFT, TPOT, and per-token gaps (an event carrying
+    k tokens counts as k gaps of a k-th of its wait)."""
+    tokens = sum(new for _, new in events)
     if tokens != max_tokens:
         raise RuntimeError(f"request {index} streamed {tokens} tokens, expected {max_tokens}")
+    first = events[0][0]
+    gaps = [(now - before) / new for (before, _), (now, new) in zip(events, events[1:]) for _ in range(new)]
     return {"sent": sent, "done": done, "ttft": first - sent, "e2e": done - sent, "gaps": gaps,
-            "tpot": (done - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens, "events": events,
+            "tpot": (done - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens, "events": len(events),
             "late": sent - scheduled if scheduled is not None else None}
 
 
-def _client(connections: Optional[int]) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    return httpx.AsyncClient(timeout=600, limits=limits)
+def _session(connections: Optional[int]) -> aiohttp.ClientSession:
+    """Kept-alive connections, at most ``connections`` at once (None: no limit)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections or 0),
+                                 timeout=aiohttp.ClientTimeout(total=600))
 
 
 def _ms(seconds: Optional[float]) -> Optional[float]:
@@ -236,12 +251,12 @@ async def _closed_level(url: str, concurrency: int, num_requests: int, max_token
     records: list[dict[str, Any]] = []
     counter = iter(range(num_requests))
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(session: aiohttp.ClientSession) -> None:
         for i in counter:
-            records.append(await _one_stream(client, url, offset + i, max_tokens, prompt_of=prompt_of))
+            records.append(await _one_stream(session, url, offset + i, max_tokens, prompt_of=prompt_of))
 
-    async with _client(concurrency) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    async with _session(concurrency) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return {"concurrency": concurrency, "max_tokens": max_tokens, **_level_stats(records)}
 
 
@@ -262,12 +277,12 @@ async def _poisson_level(url: str, rate: float, num_requests: int, max_tokens: i
                          offset: int) -> dict[str, Any]:
     """Open loop: each request is a task started at its arrival time, independent of completions."""
     arrivals = _poisson_arrivals(rate, num_requests, POISSON_SEED)
-    async with _client(None) as client:
+    async with _session(None) as session:
         start = time.perf_counter()
         tasks = []
         for i, at in enumerate(arrivals):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(_one_stream(client, url, offset + i, max_tokens, start + at)))
+            tasks.append(asyncio.create_task(_one_stream(session, url, offset + i, max_tokens, start + at)))
         records = await asyncio.gather(*tasks)
     stats = _level_stats(records)
     sends = sorted(r["sent"] for r in records)
