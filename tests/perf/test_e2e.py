@@ -14,11 +14,11 @@ def _no_shape_overrides(monkeypatch):
     monkeypatch.delenv("PERF_DECODE_LAYERS", raising=False)
 
 
-def test_plans_quick_cuda_runs_8b_first_at_batch_1_and_64_streams():
+def test_plans_quick_cuda_runs_8b_first_at_batch_1_and_64_and_64_streams():
     quick, layers = e2e.plans("cuda", quick=True)
     assert layers is None
     assert [p.shape for p in quick] == ["llama3-8b", "qwen2.5-0.5b"]
-    assert (quick[0].batches, quick[0].streams) == ((1,), (64,))
+    assert (quick[0].batches, quick[0].streams) == ((1, 64), (64,))
     assert (quick[1].batches, quick[1].streams) == (e2e.BATCHES, e2e.STREAMS)
     full, _ = e2e.plans("cuda", quick=False)
     assert all(p.batches == (1, 16, 64) and p.streams == (1, 64) for p in full)
