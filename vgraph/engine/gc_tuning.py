@@ -1,4 +1,4 @@
-"""Garbage-collector settings for the long-lived serving processes.
+"""Garbage-collector settings for the long-lived serving processes, and for one offline run.
 
 Why: after startup a server process holds millions of long-lived objects (torch, transformers,
 the tokenizer, FastAPI, the compiled model's graph modules). CPython's cyclic collector walks
@@ -11,12 +11,17 @@ collections every 700 allocations, which promote survivors and eventually trigge
 ``freeze_after_startup`` moves everything alive at the end of startup into the permanent
 generation (``gc.freeze``), which collections skip, and raises the young generation's threshold,
 so collections are rarer and only ever walk what was allocated while serving.
+
+``frozen_for_the_run`` does the same for the span of one ``LLM.generate`` (``embed``, ``chat``)
+and undoes it after: the library runs in its caller's process, whose collector is the caller's.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+from typing import Iterator
 
 logger = logging.getLogger("vgraph")
 
@@ -36,3 +41,28 @@ def freeze_after_startup() -> None:
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
     logger.debug("gc: froze %d objects after startup; thresholds %s", gc.get_freeze_count(), gc.get_threshold())
+
+
+@contextlib.contextmanager
+def frozen_for_the_run() -> Iterator[None]:
+    """Freezes what is alive when an offline run starts and raises the young threshold; both
+    undone when it ends.
+
+    Why: a run's steps allocate per-step objects that promote until a full collection walks the
+    whole heap: on the CPU demo model each took about 105 ms over 214k objects, four times in
+    three ``generate`` calls of 256 x 64 tokens (22% of their time), and a CUDA process's heap
+    is larger. Freezing and unfreezing splice lists (no walk), so a run of one token pays
+    nothing. Nothing changes when objects are frozen already (the caller's own ``gc.freeze``,
+    which unfreezing would undo; a serving process after ``freeze_after_startup``) or with
+    ``VGRAPH_GC_TUNING=0``."""
+    if os.environ.get(ENV, "1") == "0" or gc.get_freeze_count():
+        yield
+        return
+    thresholds = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(GEN0_THRESHOLD, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()

@@ -10,6 +10,7 @@ from ..config import CompileConfig, EngineConfig
 from ..lora.request import LoRARequest
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
+from .gc_tuning import frozen_for_the_run
 from .inputs import PromptType, prompt_to_ids, template_supports_tools
 from .llm_engine import LLMEngine
 from .output_processor import OutputProcessor
@@ -170,11 +171,12 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="requests", unit="req", disable=not use_tqdm or len(ids) < 2)
         try:
-            while self.engine.has_unfinished_requests():
-                for out in self.step().outputs:
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+            with frozen_for_the_run():
+                while self.engine.has_unfinished_requests():
+                    for out in self.step().outputs:
+                        if out.finished:
+                            done[out.request_id] = out
+                            bar.update(1)
         except BaseException:
             self.abort_request([i for i in ids if i not in done])
             raise
