@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .timing import machine_info
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT_LEN = 16
 
@@ -103,7 +105,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"base": args.base, "model": args.model, "prompt_len": args.prompt_len,
                                         "batch": args.batch, "tokens": args.tokens, "repeats": args.repeats,
                                         "per_child": "mean call" if args.mean else "best call",
-                                        "rounds": rounds, "best_tok_s": best, "ratio": ratio}, indent=1) + "\n")
+                                        "rounds": rounds, "best_tok_s": best, "ratio": ratio,
+                                        "machine": machine_info("cpu")}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

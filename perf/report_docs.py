@@ -21,7 +21,22 @@ from .timing import RESULTS_DIR
 
 # Results written by a stand-alone A/B script rather than a suite: name prefix -> its command.
 _SCRIPTS = {"prefill-attention": "python -m perf.prefill_attention_ab",
-            "decode-kernels": "python -m perf.decode_kernels_ab"}
+            "decode-kernels": "python -m perf.decode_kernels_ab",
+            "generate-ab": "python -m perf.generate_ab",
+            "client-ab": "python -m perf.client_ab"}
+
+
+def _script_args(result: dict) -> str:
+    """The options a stand-alone script's file records, as its command line gave them."""
+    if "base" in result and "batch" in result:  # generate_ab
+        args = f" --base {result['base']} --batch {result['batch']} --tokens {result['tokens']}"
+        return args + (" --mean" if result.get("per_child") == "mean call" else "")
+    config = result.get("config", {})
+    if "emulated_device_ms_per_step" in config:  # client_ab
+        return (f" --rounds {config['rounds']} --streams {config['streams']} --tokens {config['new_tokens']}"
+                f" --device-ms {config['emulated_device_ms_per_step']:g}")
+    threads = result.get("threads")
+    return f" --threads {threads}" if threads else ""
 
 
 def suite_of(name: str) -> Optional[str]:
@@ -40,8 +55,7 @@ def command_for(name: str, result: dict) -> str:
     machine = result.get("machine", {})
     for prefix, script in _SCRIPTS.items():
         if name.startswith(prefix):
-            threads = result.get("threads")
-            return f"{script} --threads {threads}" if threads else script
+            return script + _script_args(result)
     suite = suite_of(name) or name
     device = machine.get("device", "cpu")
     cmd = f"python -m perf run {suite} --device {device}"
@@ -93,9 +107,12 @@ def _headline_table(module: Any, result: dict) -> list[str]:
 
 
 def _script_table(result: dict) -> list[str]:
-    """A stand-alone A/B file (no suite module): its rows' scalar fields as a table."""
-    rows = result.get("rows") or []
-    if not rows:
+    """A stand-alone A/B file (no suite module): its rows' (or rounds', or per-variant medians')
+    scalar fields as a table."""
+    rows = result.get("rows") or result.get("rounds") or []
+    if isinstance(result.get("medians"), dict):
+        rows = [{"variant": name, **values} for name, values in result["medians"].items()]
+    if not isinstance(rows, list) or not rows:
         return []
     flat = [_flatten(row) for row in rows]
     keys = list(dict.fromkeys(k for row in flat for k in row))
