@@ -259,21 +259,42 @@ def test_graphs_through_dynamos_frame_never_recompile(emulation, prompts, monkey
     call differed), and there any input the trace did not see (another dtype, a non-inference
     tensor, a view at another storage offset) is a recompile, which raises. Here the frame is
     kept on purpose, and capture, FULL and PIECEWISE replays, prefill and decode steps, serial
-    and overlapped, must all run on the one trace. The sizes start at 2: the trace guards on
-    two rows or more (a fake tensor's stride computation), so one row needs the direct call
-    (``compiled_forward.py``)."""
+    and overlapped, must all run on the one trace. The trace guards on two rows or more (a fake
+    tensor's stride computation, ``compiled_forward.py``), so the buckets of one are not
+    captured and a one-row batch replays the bucket of two."""
     from vgraph.compiler.backend import VgraphBackend
     from vgraph.compiler.compiled_forward import CompiledForward
     monkeypatch.setattr(VgraphBackend, "adopt_capture", lambda self, *args: None)
     torch._dynamo.reset()  # this engine's trace the only entry, as in a server's one-engine process
-    sizes = [s for s in SIZES if s >= 2]
-    llm, _ = _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, async_scheduling=overlap,
-                           compile_config=CompileConfig(cudagraph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
-                                                        cudagraph_capture_sizes=sizes, use_cache=False))
-    runner = llm.engine.runner
-    assert isinstance(runner.graphs.forward_fn.forward, CompiledForward), "Dynamo's frame serves"
+    llm, report = _emulated_llm(CudaGraphMode.FULL_AND_PIECEWISE, async_scheduling=overlap,
+                                compile_config=CompileConfig(cudagraph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+                                                             cudagraph_capture_sizes=SIZES, use_cache=False))
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs.forward_fn.forward, CompiledForward), "Dynamo's frame serves"
+    assert graphs.min_rows == 2
+    assert (1, 1) not in graphs.full_graphs.graphs and (2, 1) in graphs.full_graphs.graphs
+    assert report.full_graphs == len(graphs.buckets.full) - 1
     assert _paths_of_greedy_run_equal_to_transformers(llm, prompts[:7]) == {Path.FULL, Path.PIECEWISE}
-    assert runner.compile_counters.recompiles == 0
+    assert _paths_of_greedy_run_equal_to_transformers(llm, prompts[:1]) == {Path.FULL, Path.PIECEWISE}
+    assert (Path.FULL, 1) not in graphs.dispatch_counts and (Path.FULL, 2) in graphs.dispatch_counts
+    assert llm.engine.runner.compile_counters.recompiles == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_sequence_through_dynamos_frame_without_graphs(prompts, monkeypatch, overlap):
+    """Graphs off (the CPU default) and Dynamo's frame serving: a step of one row is padded to
+    two (the NONE path), so one sequence decoding alone runs on the one trace too."""
+    from vgraph.compiler.backend import VgraphBackend
+    from vgraph.compiler.compiled_forward import CompiledForward
+    monkeypatch.setattr(VgraphBackend, "adopt_capture", lambda self, *args: None)
+    torch._dynamo.reset()
+    llm = LLM(tiny_checkpoint(arch="llama"), device="cpu", dtype="float32", async_scheduling=overlap,
+              compile_config=CompileConfig(use_cache=False))
+    graphs = llm.engine.runner.graphs
+    assert isinstance(graphs.forward_fn.forward, CompiledForward), "Dynamo's frame serves"
+    assert _paths_of_greedy_run_equal_to_transformers(llm, prompts[:1]) == {Path.NONE}
+    assert (Path.NONE, 2) in graphs.dispatch_counts and (Path.NONE, 1) not in graphs.dispatch_counts
+    assert llm.engine.runner.compile_counters.recompiles == 0
 
 
 # ------------------------------------------------------------------------------ unit level

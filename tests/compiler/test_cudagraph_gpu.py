@@ -94,3 +94,24 @@ def test_capture_fits_at_the_default_memory_setting():
     assert report.full_graphs == len(llm.engine.runner.graphs.buckets.full) == 35, "1, 2, 4, 8, ..., 256"
     assert 0 < report.memory_bytes <= report.estimated_bytes
     assert len(_greedy(llm, _prompts()[:3])[0].token_ids) == NEW_TOKENS
+
+
+def test_one_sequence_through_dynamos_frame_on_cuda(monkeypatch):
+    """When the direct call is declined (Dynamo's frame serves, its trace guarding on two rows or
+    more), startup captures no bucket of one and a lone sequence replays the bucket of two, with
+    the tokens transformers gives and no recompile (which would raise)."""
+    from vgraph.compiler.backend import VgraphBackend
+    from vgraph.config import CompileConfig
+    monkeypatch.setattr(VgraphBackend, "adopt_capture", lambda self, *args: None)
+    torch._dynamo.reset()
+    kwargs = gpu_llm_kwargs("float32", "full_and_piecewise")
+    llm = LLM(tiny_checkpoint(arch="llama"), device="cuda",
+              **{**kwargs, "compile_config": CompileConfig(cudagraph_mode=CudaGraphMode.FULL_AND_PIECEWISE,
+                                                           cudagraph_capture_sizes=SIZES, use_cache=False)})
+    graphs = llm.engine.runner.graphs
+    assert graphs.min_rows == 2 and (1, 1) not in graphs.full_graphs.graphs
+    graphs.dispatch_counts.clear()
+    prompt = _prompts()[0]
+    assert _greedy(llm, [prompt])[0].token_ids == hf_greedy(tiny_checkpoint(arch="llama"), tuple(prompt), NEW_TOKENS)[0]
+    assert (Path.FULL, 2) in graphs.dispatch_counts and (Path.FULL, 1) not in graphs.dispatch_counts
+    assert llm.engine.runner.compile_counters.recompiles == 0

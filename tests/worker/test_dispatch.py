@@ -109,6 +109,16 @@ def test_without_graphs_nothing_is_padded():
     assert choose(mixed(5, 1), DEFAULT, CudaGraphMode.NONE) == Decision(Path.NONE, 5, 5)
 
 
+def test_a_forward_that_serves_two_rows_or_more_pads_one_row_to_two():
+    """While Dynamo's frame serves the forward (its trace guards on two rows or more), a batch
+    of one takes the bucket of two on every path, and nothing else changes."""
+    assert choose(decode(1), DEFAULT, BOTH, min_rows=2) == Decision(Path.FULL, 2, 1)
+    assert choose(mixed(1, 1), DEFAULT, BOTH, min_rows=2) == Decision(Path.PIECEWISE, 2, 1)
+    assert choose(decode(1), DEFAULT, CudaGraphMode.NONE, min_rows=2) == Decision(Path.NONE, 2, 1)
+    assert choose(decode(5), DEFAULT, BOTH, min_rows=2) == choose(decode(5), DEFAULT, BOTH)
+    assert choose(BatchShape(0, 0, False), DEFAULT, BOTH, min_rows=2) == Decision(Path.NONE, 0, 0)
+
+
 def test_every_shape_the_scheduler_can_produce_has_a_path():
     sched = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48)
     b = capture_sizes(CompileConfig(), sched.max_num_seqs, sched.max_num_batched_tokens)

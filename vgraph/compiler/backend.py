@@ -168,7 +168,7 @@ class VgraphBackend:
         if not torch.equal(direct(input_ids, positions), reference):
             logger.warning("the captured graph called directly differs from Dynamo's frame; "
                            "keeping Dynamo (warm starts will trace again; its trace guards on two rows or "
-                           "more, so a one-row forward, a CUDA graph bucket of 1 included, recompiles and raises)")
+                           "more, so one-row batches run padded to two and buckets of 1 are not captured)")
             return None
         self.writer.captured(model, pending.split_bytes, pending.sources, pending.records)
         return direct

@@ -16,10 +16,11 @@ but kept a decode step of one sequence off the one-row GEMV kernels (ops/kernels
 which beat the library on every projection of the 8B shape (H200: 121.5 -> 108.9 us a layer,
 perf/results/decode-kernels-cuda.json). The trace still guards on two rows or more (a fake
 tensor's stride computation, ``2 <= input_ids.size(0)``), so one row is served by the direct
-call only: through Dynamo's frame (the direct call declined) a one-row forward recompiles,
-and raises. Dynamo's frame also guards on torch's thread count, so the CPU step-thread
-chooser stays off there (``LadderForward.guards_global_state``);
-tests/compiler/test_cudagraph_emulated.py runs the graphs through the frame.
+call only: through Dynamo's frame (the direct call declined) a one-row forward would
+recompile, and raise, so there the runner pads one-row batches to two and captures no bucket
+of one (``LadderForward.min_rows``). Dynamo's frame also guards on torch's thread count, so
+the CPU step-thread chooser stays off there (``LadderForward.guards_global_state``);
+tests/compiler/test_cudagraph_emulated.py runs the graphs and one sequence through the frame.
 """
 from __future__ import annotations
 

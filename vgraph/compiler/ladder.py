@@ -88,6 +88,13 @@ class LadderForward:
         traced = sys.modules.get(f"{__package__}.compiled_forward")
         return traced is not None and isinstance(self._forward, traced.CompiledForward)
 
+    @property
+    def min_rows(self) -> int:
+        """The fewest token rows a call may have: two while Dynamo's frame serves (its trace
+        guards on two rows or more, so one row would recompile, which raises:
+        compiled_forward.py), else one (the direct call, the runnables)."""
+        return 2 if self.guards_global_state else 1
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self._forward is not None:
             return self._forward(input_ids, positions)

@@ -244,8 +244,13 @@ class ForwardRunner:
 
     # ------------------------------------------------------------------ one batch
 
+    @property
+    def min_rows(self) -> int:
+        """The fewest rows the forward serves (``LadderForward.min_rows``; one for any other)."""
+        return getattr(self.forward_fn, "min_rows", 1)
+
     def decide(self, step: RunnerStep) -> Decision:
-        return choose(BatchShape.of_step(step), self.buckets, self.mode)
+        return choose(BatchShape.of_step(step), self.buckets, self.mode, self.min_rows)
 
     def build(self, step: RunnerStep) -> tuple[FlatBatch, Decision]:
         """The step's batch; a FULL one written straight into the decode buffers."""
@@ -295,6 +300,9 @@ class ForwardRunner:
         device = self.builder.device
         full_jobs = self._full_jobs() if self.decode_buffers is not None else []
         piece_jobs = sorted(self.buckets.piecewise, reverse=True) if self.mode.has_piecewise else []
+        # Buckets below the forward's fewest rows are never chosen (``choose``): none captured.
+        full_jobs = [job for job in full_jobs if job[0] >= self.min_rows]
+        piece_jobs = [n for n in piece_jobs if n >= self.min_rows]
         self.full_graphs = FullGraphs(pool, self.decode_buffers.max_rows) if full_jobs else None
         self.piecewise_graphs = PiecewiseGraphs(pool) if piece_jobs else None
         start = time.perf_counter()

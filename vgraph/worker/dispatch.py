@@ -14,7 +14,8 @@ Three paths, as in vLLM:
   with T' - T rows that belong to no sequence. On CUDA every compiled piece replays its graph
   for T' and attention runs eagerly between the pieces.
 - NONE: batches above the largest bucket (or graphs off) run the compiled forward unpadded
-  (it serves any row count from one: compiled_forward.py traces size-oblivious).
+  (it serves any row count from one: compiled_forward.py traces size-oblivious; only while
+  Dynamo's frame serves, the direct call declined, is a one-row batch padded to two).
 
 Without CUDA the default mode is NONE (padding would only add work); with a mode set
 explicitly the same decisions and the same padding run and each bucket is the compiled
@@ -149,13 +150,15 @@ class Decision:
         return self.query_len if self.path is Path.FULL and self.query_len > 1 else 0
 
 
-def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision:
+def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode, min_rows: int = 1) -> Decision:
     """FULL for a pure-decode batch that fits a decode bucket, or a verify batch that fits a
     verify bucket, else PIECEWISE when the token count fits a token bucket, else NONE at the
-    batch's own size."""
+    batch's own size. ``min_rows``: the fewest rows the forward serves (two while Dynamo's
+    frame serves it: ``LadderForward.min_rows``); a smaller batch is padded up to it."""
     n = shape.num_tokens
+    rows = max(n, min_rows) if n else 0
     if n > 0 and shape.uniform_decode and mode.has_full:
-        bucket = Buckets.smallest_at_least(buckets.full, n)
+        bucket = Buckets.smallest_at_least(buckets.full, rows)
         if bucket is not None:
             return Decision(Path.FULL, bucket, n)
     if n > 0 and shape.verify and mode.has_full and shape.max_start <= buckets.verify_max_start:
@@ -164,7 +167,7 @@ def choose(shape: BatchShape, buckets: Buckets, mode: CudaGraphMode) -> Decision
             q = buckets.verify_query_len
             return Decision(Path.FULL, seqs * q, n, q)
     if n > 0 and mode.has_piecewise:
-        bucket = Buckets.smallest_at_least(buckets.piecewise, n)
+        bucket = Buckets.smallest_at_least(buckets.piecewise, rows)
         if bucket is not None:
             return Decision(Path.PIECEWISE, bucket, n)
-    return Decision(Path.NONE, n, n)
+    return Decision(Path.NONE, rows, n)
