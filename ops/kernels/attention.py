@@ -321,12 +321,18 @@ def _check_same_layout(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 def _zeroed_output(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     """Zeros shaped like ``q``: a new tensor, or ``out`` cleared (the kernels write only the
     rows of real sequences; padding rows must read as zeros)."""
+    return _checked_output(q, out).zero_() if out is not None else q.new_zeros(q.shape)
+
+
+def _checked_output(q: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """``out``, checked against ``q``, or a new uninitialized tensor like it: for a kernel
+    that writes every element itself."""
     if out is None:
-        return q.new_zeros(q.shape)
+        return torch.empty_like(q)
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"attention output {tuple(out.shape)} {out.dtype} on {out.device} does not "
                          f"match q {tuple(q.shape)} {q.dtype} on {q.device}")
-    return out.zero_()
+    return out
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -383,7 +389,9 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
     """
     _check_same_layout(k_cache, v_cache)
     num_seqs, num_q_heads, head_dim = q.shape
-    out = _zeroed_output(q, out)
+    # Stage 2 writes every element of every (sequence, head), an empty sequence's as zeros
+    # (its splits hold no keys): no clearing kernel first (one a layer at batch 1).
+    out = _checked_output(q, out)
     if num_seqs == 0:
         return out
     group = num_q_heads // k_cache.shape[2]
