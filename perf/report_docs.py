@@ -23,7 +23,8 @@ from .timing import RESULTS_DIR
 _SCRIPTS = {"prefill-attention": "python -m perf.prefill_attention_ab",
             "decode-kernels": "python -m perf.decode_kernels_ab",
             "generate-ab": "python -m perf.generate_ab",
-            "client-ab": "python -m perf.client_ab"}
+            "client-ab": "python -m perf.client_ab",
+            "env-ab": "python -m perf.env_ab"}
 
 
 def _script_args(result: dict) -> str:
@@ -31,6 +32,8 @@ def _script_args(result: dict) -> str:
     if "base" in result and "batch" in result:  # generate_ab
         args = f" --base {result['base']} --batch {result['batch']} --tokens {result['tokens']}"
         return args + (" --mean" if result.get("per_child") == "mean call" else "")
+    if result.get("tool") == "env_ab":
+        return f" --env {result['env']} --batch {result['batch']}"
     config = result.get("config", {})
     if "emulated_device_ms_per_step" in config:  # client_ab
         return (f" --rounds {config['rounds']} --streams {config['streams']} --tokens {config['new_tokens']}"
@@ -112,6 +115,9 @@ def _script_table(result: dict) -> list[str]:
     rows = result.get("rows") or result.get("rounds") or []
     if isinstance(result.get("medians"), dict):
         rows = [{"variant": name, **values} for name, values in result["medians"].items()]
+    if result.get("tool") == "env_ab":
+        rows = [{"shape": shape, "off_ms": r["median_ms"]["off"], "on_ms": r["median_ms"]["on"],
+                 "speedup": r["speedup"]} for shape, r in result["shapes"].items()]
     if not isinstance(rows, list) or not rows:
         return []
     flat = [_flatten(row) for row in rows]

@@ -7,14 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_DTYPE, quantize_fp8, cast_rne, FP8_MAX, next_pow2, rows_and_width
+from .common import FP8_DTYPE, quantize_fp8, cast_rne, FP8_MAX, next_pow2, pdl_enter, pdl_launch, rows_and_width
 
 _MAX_BLOCK = 4096
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, scale_ptr, d, fp8_max,
-                         QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                         QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     # Rounds to the activation dtype exactly where torch's silu(gate) * up does, so the fused
     # op is bit-compatible with the unfused sequence before quantization.
     row = tl.program_id(0).to(tl.int64)
@@ -44,5 +45,6 @@ def silu_and_mul_triton(x: torch.Tensor, scale: Optional[torch.Tensor] = None) -
         block = min(next_pow2(d), _MAX_BLOCK)
         grid = (rows, triton.cdiv(d, block))
         _silu_and_mul_kernel[grid](x, out, scale if scale is not None else x, d, FP8_MAX,
-                                   QUANT=scale is not None, BLOCK=block, num_warps=4 if block >= 1024 else 1)
+                                   QUANT=scale is not None, BLOCK=block, num_warps=4 if block >= 1024 else 1,
+                                   **pdl_launch(x.device))
     return out

@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import DOT_UPCAST, kv_scale_args, next_pow2
+from .common import DOT_UPCAST, kv_scale_args, next_pow2, pdl_enter, pdl_launch
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16
@@ -167,7 +167,8 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                             TILE_N: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_SIZE: tl.constexpr,
                             UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                            KV_FP8: tl.constexpr):
+                            KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     first_tok = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q  # longest blocks first
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -234,7 +235,8 @@ def _split_kv_stage1_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_
                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                             UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                            KV_FP8: tl.constexpr):
+                            KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -289,7 +291,8 @@ def _split_kv_stage1_kernel(q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_
 @triton.jit(do_not_specialize=["num_splits"])
 def _split_kv_stage2_kernel(part_out_ptr, part_lse_ptr, out_ptr, head_dim, num_q_heads,
                             num_splits, stride_ot, stride_oh, stride_od,
-                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -365,7 +368,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *q.stride(), *out.stride(), *k_cache.stride(), block_table.stride(0),
         GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_q, TILE_N=tiles.tile_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=k_cache.shape[1],
-        UPCAST=upcast, DOT_PRECISION=precision, KV_FP8=kv_fp8, num_warps=tiles.num_warps)
+        UPCAST=upcast, DOT_PRECISION=precision, KV_FP8=kv_fp8, num_warps=tiles.num_warps,
+        **pdl_launch(q.device))
     return out
 
 
@@ -410,9 +414,9 @@ def paged_attention_decode_split_kv_triton(q: torch.Tensor, k_cache: torch.Tenso
         *q.stride(), *k_cache.stride(), block_table.stride(0),
         GROUP=group, BLOCK_M=tiles.block_m, TILE_N=tiles.tile_n, BLOCK_D=tiles.block_d,
         BLOCK_SIZE=k_cache.shape[1], UPCAST=upcast, DOT_PRECISION=precision, KV_FP8=kv_fp8,
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **pdl_launch(q.device))
     _split_kv_stage2_kernel[(num_seqs, num_q_heads)](
         part_out, part_lse, out, head_dim, num_q_heads, num_splits, *out.stride(),
         BLOCK_S=next_pow2(num_splits), BLOCK_D=tiles.block_d,
-        num_warps=1 if tiles.block_d <= 128 else 2)
+        num_warps=1 if tiles.block_d <= 128 else 2, **pdl_launch(q.device))
     return out

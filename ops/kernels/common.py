@@ -1,6 +1,7 @@
 """Small helpers shared by the Triton launchers."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -17,6 +18,42 @@ INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # attention kernels upcast their dot operands to fp32 there. Compiled kernels keep bf16/fp16.
 DOT_UPCAST: bool = INTERPRETED
 
+
+
+# Programmatic dependent launch (PDL, sm_90 and later), asked for with VGRAPH_PDL=1, read once
+# here. Why: a decode step at batch 1 is hundreds of small kernels (about 12 a layer), and on a
+# plain stream each one is scheduled only once the one before has finished, so every boundary
+# adds a launch's latency to the step (the 0.5B shape's step on an H200 was bound by exactly
+# that: ~400 kernels of 1-8 us). A kernel launched with PDL may be scheduled while the one
+# before is still running; it waits (``pdl_enter``) until that one has finished and its
+# writes are visible before it touches memory, so only the scheduling overlaps, never the
+# data. Captured into CUDA graphs as programmatic edges. Off by default until a GPU run
+# measures it (scripts/gpu_checks.sh pdl).
+PDL_REQUESTED: bool = os.environ.get("VGRAPH_PDL", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: Optional[int]) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """Keyword arguments for launching a kernel that begins with ``pdl_enter``: PDL on where
+    it was asked for and the device has it (never under the interpreter), else off."""
+    if PDL_REQUESTED and not INTERPRETED and device.type == "cuda" and _pdl_capable(device.index):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """A kernel's first statement: under PDL, wait until the kernel before it in the stream
+    has finished and its writes are visible (before any load or store: this kernel may read
+    what that one wrote, or write what it reads), then let the next kernel be scheduled.
+    Every program runs it, before any early return."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

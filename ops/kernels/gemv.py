@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pdl_enter, pdl_launch
 from .host import GEMV_MAX_ROWS
 from .norm import _load_input, _normalize
 
@@ -137,7 +138,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_
                  res_ptr, nw_ptr, res_out_ptr, eps,
                  HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr):
+                 HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn  # clamped: no mask on W loads
@@ -175,7 +177,8 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm
                           res_ptr, nw_ptr, res_out_ptr, eps,
                           HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-                          HAS_RESIDUAL: tl.constexpr):
+                          HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # N: the activation's width
     n_mask = offs_n < N
     feature = tl.where(n_mask, offs_n, 0).to(tl.int64)
@@ -300,5 +303,5 @@ def _launch(kernel, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         0.0 if norm is None else norm.eps,
         HAS_BIAS=bias is not None, TWO_ROWS=x.shape[0] == 2, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         EVEN_K=k % config.block_k == 0, NORM=norm is not None, HAS_RESIDUAL=residual_out is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(x.device))
     return y

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_MAX, kv_scale_args, next_pow2, quantize_fp8
+from .common import FP8_MAX, kv_scale_args, next_pow2, pdl_enter, pdl_launch, quantize_fp8
 
 # Elements one program moves at most (heads x padded head_dim); more heads -> more programs.
 _MAX_TILE = 4096
@@ -32,7 +32,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
                               stride_vt, stride_vh, stride_vd,
                               stride_cb, stride_cs, stride_ch, stride_cd,
                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                              QUANT: tl.constexpr, FP8_LIMIT: tl.constexpr):
+                              QUANT: tl.constexpr, FP8_LIMIT: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
@@ -79,4 +80,4 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: to
         num_heads, head_dim, k_cache.shape[1],
         *key.stride(), *value.stride(), *k_cache.stride(),
         BLOCK_H=block_h, BLOCK_D=block_d, QUANT=quant, FP8_LIMIT=FP8_MAX,
-        num_warps=4 if block_h * block_d >= 1024 else 1)
+        num_warps=4 if block_h * block_d >= 1024 else 1, **pdl_launch(key.device))

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, ROW_CHUNK, cast_rne, quantize_fp8,
-                     row_block, rows_and_width)
+from .common import (FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, ROW_CHUNK, cast_rne, pdl_enter, pdl_launch,
+                     quantize_fp8, row_block, rows_and_width)
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
@@ -112,7 +112,8 @@ def _rms_norm_chunked(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, ro
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
                      n_cols, eps, fp8_max, fp8_min_scale,
                      HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-                     WHOLE_ROW: tl.constexpr):
+                     WHOLE_ROW: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     base = row * n_cols  # int64: rows x width passes 2^31 for long batches of wide rows
     if WHOLE_ROW:
@@ -144,7 +145,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(rows,)](
             x, res_in, weight.contiguous(), out, res_out, scale_arg, width, eps, FP8_MAX, FP8_MIN_SCALE,
             HAS_RESIDUAL=residual is not None, QUANT=quant, BLOCK=block, WHOLE_ROW=whole_row,
-            num_warps=warps)
+            num_warps=warps, **pdl_launch(x.device))
     result = [out]
     if quant == QUANT_DYNAMIC:
         result.append(scale)

@@ -63,8 +63,9 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return int(regs.group(1)), int(spills.group(1)) + int(spills.group(2))
 
 
-def compile_launch(case: str, name: str, kernel: Any, launch: Launch) -> Usage:
-    """Compiles one recorded launch the way ``JITFunction.run`` would on an sm_90 device."""
+def compile_launch(case: str, name: str, kernel: Any, launch: Launch, require: str = "") -> Usage:
+    """Compiles one recorded launch the way ``JITFunction.run`` would on an sm_90 device;
+    ``require``: text its PTX must contain."""
     jit = as_jit_function(kernel)
     backend = make_backend(TARGET)
     binder = create_function_from_signature(jit.signature, jit.params, backend)
@@ -73,6 +74,8 @@ def compile_launch(case: str, name: str, kernel: Any, launch: Launch) -> Usage:
                                                            specialization, options)
     compiled = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=TARGET,
                               options=options.__dict__)
+    if require and require not in compiled.asm["ptx"]:
+        raise AssertionError(f"{case} {name}: no {require!r} in the PTX")
     regs, spills = _ptxas_usage(compiled.asm["ptx"])
     return Usage(case, name, launch.grid, regs, spills, compiled.metadata.shared,
                  options.num_warps)
@@ -199,12 +202,20 @@ def _gemv_cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
 
 
 def run_all() -> list[Usage]:
-    usages = []
+    """Every case's launches, then each PDL-capable kernel's first launch again with
+    programmatic dependent launch on (``common.pdl_launch``: what VGRAPH_PDL=1 gives on sm_90),
+    whose PTX must wait on the kernel before it."""
+    usages, first = [], {}
     for label, module, names, call in cases():
         with recording(module, *names) as recorders:
             call()
         for name, recorder in recorders.items():
             usages += [compile_launch(label, name, recorder.kernel, launch) for launch in recorder.launches]
+            if recorder.launches and "USE_PDL" in recorder.launches[0].kwargs:
+                first.setdefault(name, (label, recorder.kernel, recorder.launches[0]))
+    for name, (label, kernel, launch) in first.items():
+        pdl = Launch(launch.grid, launch.args, {**launch.kwargs, "USE_PDL": True, "launch_pdl": True})
+        usages.append(compile_launch(f"{label} [pdl]", name, kernel, pdl, require="griddepcontrol.wait"))
     return usages
 
 

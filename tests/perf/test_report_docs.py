@@ -30,3 +30,13 @@ def test_a_client_ab_file_gets_its_command_and_a_row_per_client(tmp_path):
 
 def test_a_kernel_script_keeps_its_thread_option():
     assert command_for("prefill-attention-cpu-t1", {"threads": 1}) == "python -m perf.prefill_attention_ab --threads 1"
+
+
+def test_an_env_ab_file_gets_its_switch_and_a_row_per_shape(tmp_path):
+    result = {"tool": "env_ab", "env": "VGRAPH_PDL=1", "batch": 1,
+              "shapes": {"qwen2.5-0.5b": {"median_ms": {"off": 1.1, "on": 0.9}, "speedup": 1.1 / 0.9, "rounds": []}}}
+    path = tmp_path / "env-ab-cuda-pdl.json"
+    path.write_text(json.dumps(result))
+    text = "\n".join(section(path, None))
+    assert "`python -m perf.env_ab --env VGRAPH_PDL=1 --batch 1`" in text
+    assert "| shape | off_ms | on_ms | speedup |" in text and "| qwen2.5-0.5b | 1.1 | 0.9 | 1.222 |" in text
