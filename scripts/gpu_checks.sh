@@ -23,6 +23,8 @@
 #   spec-verify  python -m perf run spec-verify --device cuda --quick (8B first: a verify step vs a decode step)
 #   profile      python -m perf.profile_step (0.5B, batch 1: step vs device busy time, Python and op profiles)
 #   profile-8b   the same on the 8B shape
+#   profile-64   the same on the 0.5B shape at batch 64 (offline 3.11 ms a step on 11-28, against
+#                1.13 at batch 1: the host's share or the device's?)
 #   kernels      python -m perf.decode_kernels_ab (batch-1 projections: cuBLAS vs the Triton GEMV; decode attention splits)
 #   kernels-2    the same at one and two rows (batch 1 as the compiled forward pads it), config_for's GEMV only
 #   kernels-norm norm kernel + GEMV against the norm-fused GEMV at one and two rows (passes/norm_linear.py:
@@ -131,6 +133,7 @@ run_step() {
       "$PY" -m perf run spec-verify --device cuda --quick ;;
     profile) step profile 150 "$PY" -m perf.profile_step --out "$LOGDIR/profile" ;;
     profile-8b) step profile-8b 200 "$PY" -m perf.profile_step --shape llama3-8b --out "$LOGDIR/profile-8b" ;;
+    profile-64) step profile-64 180 "$PY" -m perf.profile_step --batch 64 --out "$LOGDIR/profile-64" ;;
     kernels) step kernels 240 "$PY" -m perf.decode_kernels_ab ;;
     kernels-2) step kernels-2 120 "$PY" -m perf.decode_kernels_ab --rows 1,2 --chosen \
       --out perf/results/decode-kernels-cuda-rows2.json ;;
