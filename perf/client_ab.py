@@ -25,8 +25,8 @@ from typing import Any, Callable
 import httpx
 
 from .suites.e2e import make_prompts
-from .suites.serving import (ServerUnderTest, _closed_level, _level_stats, request_body, stream_record,
-                             timed_events)
+from .suites.serving import (ServerUnderTest, _closed_level, _level_stats, closed_loop, request_body,
+                             stream_record, timed_events)
 from .timing import RESULTS_DIR, machine_info
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,8 +38,6 @@ async def httpx_closed_level(url: str, concurrency: int, num_requests: int, max_
                              prompt_of: Callable[[int], list[int]]) -> dict[str, Any]:
     """The closed loop as the suites ran it with httpx (one ``AsyncClient``, ``concurrency``
     kept-alive connections, ``aiter_lines``): the baseline."""
-    records: list[dict[str, Any]] = []
-    counter = iter(range(num_requests))
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def one(client: httpx.AsyncClient, index: int) -> dict[str, Any]:
@@ -50,12 +48,8 @@ async def httpx_closed_level(url: str, concurrency: int, num_requests: int, max_
             events = await timed_events(response.aiter_lines())
         return stream_record(index, max_tokens, sent, events, time.perf_counter(), None)
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        for i in counter:
-            records.append(await one(client, offset + i))
-
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        records = await closed_loop(concurrency, num_requests, offset, lambda i: one(client, i))
     return {"concurrency": concurrency, "max_tokens": max_tokens, **_level_stats(records)}
 
 

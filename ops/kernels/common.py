@@ -37,12 +37,17 @@ def _pdl_capable(index: Optional[int]) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_PDL_ON = {"USE_PDL": True, "launch_pdl": True}
+_PDL_OFF = {"USE_PDL": False}
+
+
 def pdl_launch(device: torch.device) -> dict[str, bool]:
     """Keyword arguments for launching a kernel that begins with ``pdl_enter``: PDL on where
-    it was asked for and the device has it (never under the interpreter), else off."""
+    it was asked for and the device has it (never under the interpreter), else off. Shared
+    dicts, only ever unpacked: an eager step launches dozens of kernels."""
     if PDL_REQUESTED and not INTERPRETED and device.type == "cuda" and _pdl_capable(device.index):
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False}
+        return _PDL_ON
+    return _PDL_OFF
 
 
 @triton.jit

@@ -248,16 +248,25 @@ def _level_stats(records: list[dict[str, Any]]) -> dict[str, Any]:
 async def _closed_level(url: str, concurrency: int, num_requests: int, max_tokens: int,
                         offset: int, prompt_of: Callable[[int], str | list[int]] = _prompt) -> dict[str, Any]:
     """A closed loop of ``concurrency`` workers until ``num_requests`` streams have finished."""
-    records: list[dict[str, Any]] = []
-    counter = iter(range(num_requests))
-
-    async def worker(session: aiohttp.ClientSession) -> None:
-        for i in counter:
-            records.append(await _one_stream(session, url, offset + i, max_tokens, prompt_of=prompt_of))
-
     async with _session(concurrency) as session:
-        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        records = await closed_loop(concurrency, num_requests, offset, lambda i: _one_stream(
+            session, url, i, max_tokens, prompt_of=prompt_of))
     return {"concurrency": concurrency, "max_tokens": max_tokens, **_level_stats(records)}
+
+
+async def closed_loop(concurrency: int, num_requests: int, offset: int,
+                      one: Callable[[int], Awaitable[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``concurrency`` workers each awaiting ``one(index)`` back to back, for indices
+    ``offset..offset + num_requests - 1``: the records in the order they finished."""
+    records: list[dict[str, Any]] = []
+    counter = iter(range(offset, offset + num_requests))
+
+    async def worker() -> None:
+        for i in counter:
+            records.append(await one(i))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records
 
 
 def _poisson_arrivals(rate: float, num_requests: int, seed: int) -> list[float]:

@@ -38,8 +38,7 @@ def freeze_after_startup() -> None:
         return
     gc.collect()
     gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
+    _raise_young_threshold()
     logger.debug("gc: froze %d objects after startup; thresholds %s", gc.get_freeze_count(), gc.get_threshold())
 
 
@@ -60,9 +59,14 @@ def frozen_for_the_run() -> Iterator[None]:
         return
     thresholds = gc.get_threshold()
     gc.freeze()
-    gc.set_threshold(GEN0_THRESHOLD, *thresholds[1:])
+    _raise_young_threshold()
     try:
         yield
     finally:
         gc.set_threshold(*thresholds)
         gc.unfreeze()
+
+
+def _raise_young_threshold() -> None:
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GEN0_THRESHOLD, gen1, gen2)
