@@ -29,9 +29,9 @@
 #   kernels-2    the same at one and two rows (batch 1 as the compiled forward pads it), config_for's GEMV only
 #   kernels-norm norm kernel + GEMV against the norm-fused GEMV at one and two rows (passes/norm_linear.py:
 #                whether that pass joins the defaults)
-#   pdl          kernels launched with programmatic dependent launch (VGRAPH_PDL=1, ops/kernels/common.py):
-#                the kernel, graph and overlap GPU tests with it on, then python -m perf.env_ab (batch-1 step,
-#                both shapes, off vs on in alternating processes): whether it becomes the default
+#   pdl          programmatic dependent launch (on by default on sm_90+, ops/kernels/common.py): the kernel,
+#                graph and overlap GPU tests with it off (VGRAPH_PDL=0: what older GPUs run), then
+#                python -m perf.env_ab (batch-1 step, both shapes, off vs on in alternating processes)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
@@ -143,7 +143,7 @@ run_step() {
     pdl)
       local xdist=()
       "$PY" -c 'import xdist' 2>/dev/null && xdist=(-n 8)
-      step pdl-tests 200 env VGRAPH_PDL=1 "$PY" -m pytest -m gpu "${xdist[@]}" -q -p no:cacheprovider tests/ops \
+      step pdl-off-tests 200 env VGRAPH_PDL=0 "$PY" -m pytest -m gpu "${xdist[@]}" -q -p no:cacheprovider tests/ops \
         tests/compiler/test_cudagraph_gpu.py tests/engine/test_overlap_cuda.py
       step pdl 300 "$PY" -m perf.env_ab --env VGRAPH_PDL=1 --rounds 1 --out perf/results/env-ab-cuda-pdl.json ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;

@@ -20,16 +20,17 @@ DOT_UPCAST: bool = INTERPRETED
 
 
 
-# Programmatic dependent launch (PDL, sm_90 and later), asked for with VGRAPH_PDL=1, read once
+# Programmatic dependent launch (PDL, sm_90 and later), on unless VGRAPH_PDL=0, read once
 # here. Why: a decode step at batch 1 is hundreds of small kernels (about 12 a layer), and on a
 # plain stream each one is scheduled only once the one before has finished, so every boundary
 # adds a launch's latency to the step (the 0.5B shape's step on an H200 was bound by exactly
 # that: ~400 kernels of 1-8 us). A kernel launched with PDL may be scheduled while the one
 # before is still running; it waits (``pdl_enter``) until that one has finished and its
 # writes are visible before it touches memory, so only the scheduling overlaps, never the
-# data. Captured into CUDA graphs as programmatic edges. Off by default until a GPU run
-# measures it (scripts/gpu_checks.sh pdl).
-PDL_REQUESTED: bool = os.environ.get("VGRAPH_PDL", "0") == "1"
+# data. Captured into CUDA graphs as programmatic edges. Measured on an H200 (2026-11-28,
+# perf/results/env-ab-cuda-pdl.json): the batch-1 step 0.862 -> 0.747 ms on the 0.5B shape,
+# 4.588 -> 4.448 ms on the 8B; every GPU kernel, graph and overlap test passes with it on.
+PDL_REQUESTED: bool = os.environ.get("VGRAPH_PDL", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

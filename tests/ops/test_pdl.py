@@ -42,8 +42,8 @@ def test_pdl_is_on_only_where_asked_and_the_device_has_it(pdl_asked, monkeypatch
     assert common.pdl_launch(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
-@pytest.mark.parametrize("value,asked", [(None, False), ("0", False), ("1", True)])
-def test_asked_for_with_vgraph_pdl_only(value, asked):
+@pytest.mark.parametrize("value,asked", [(None, True), ("0", False), ("1", True)])
+def test_on_unless_vgraph_pdl_is_0(value, asked):
     env = {k: v for k, v in os.environ.items() if k != "VGRAPH_PDL"} | ({} if value is None else {"VGRAPH_PDL": value})
     out = subprocess.run([sys.executable, "-c", "from vgraph.ops.kernels import common; print(common.PDL_REQUESTED)"],
                          env=env, capture_output=True, text=True, timeout=120)
