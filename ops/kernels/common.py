@@ -53,10 +53,11 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """A kernel's first statement: under PDL, wait until the kernel before it in the stream
-    has finished and its writes are visible (before any load or store: this kernel may read
-    what that one wrote, or write what it reads), then let the next kernel be scheduled.
-    Every program runs it, before any early return."""
+    """Under PDL, wait until the kernel before it in the stream has finished and its writes
+    are visible, then let the next kernel be scheduled. A kernel's first statement, or
+    preceded only by index arithmetic and loads of what no kernel of a step writes (the
+    GEMVs' first weight tile): this kernel may read what that one wrote, or write what it
+    reads. Every program runs it, before any early return."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

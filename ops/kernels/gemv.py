@@ -37,6 +37,14 @@ and normalizes each ``BLOCK_K`` slice as it loads it, with the norm kernel's rou
 differ from the unfused pair's in its last bit); program 0 also writes the new residual. What it
 saves at one row is the norm's launch and its [1, K] round trip: two kernels of a decoder
 layer's ~11 (the 0.5B shape's 24 layers are launch-bound, module ops/dense_linear.py).
+
+The first weight tile is loaded before ``pdl_enter``: no kernel of a step writes a weight, so
+that load may run before the kernel before this one has finished. Under programmatic
+dependent launch (ops/kernels/common.py) a program is scheduled while that kernel runs, and its
+first ``BLOCK_K`` columns of ``W`` stream in meanwhile: for the 0.5B shape's qkv and o (K =
+896, one tile) that is the whole weight. Only x, the residual and the outputs wait. The first
+iteration is peeled for it and adds into the zeroed accumulator as the loop does, so the
+result is the same bit for bit.
 """
 from __future__ import annotations
 
@@ -81,10 +89,17 @@ def _load_x(x_ptr, k, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
+def _load_w_tile(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] tile of W in its own dtype (the kernels' weight loads, the one
+    issued before ``pdl_enter`` included)."""
     if EVEN_K:
-        return tl.load(w_ptr + rows[:, None] + k[None, :]).to(tl.float32)
-    return tl.load(w_ptr + rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+        return tl.load(w_ptr + rows[:, None] + k[None, :])
+    return tl.load(w_ptr + rows[:, None] + k[None, :], mask=(k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_w(w_ptr, rows, k, K, EVEN_K: tl.constexpr):
+    return _load_w_tile(w_ptr, rows, k, K, EVEN_K).to(tl.float32)
 
 
 @triton.jit
@@ -139,17 +154,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm, stride_
                  HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
                  HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = tl.where(n_mask, offs_n, 0).to(tl.int64) * stride_wn  # clamped: no mask on W loads
     offs_k = tl.arange(0, BLOCK_K)
+    w_first = _load_w_tile(w_ptr, rows, offs_k, K, EVEN_K)  # before the wait: module doc
+    pdl_enter(USE_PDL)
     rstd0, rstd1 = _rstd_pair(x_ptr, res_ptr, res_out_ptr, K, eps, stride_xm, NORM, HAS_RESIDUAL, TWO_ROWS,
                               BLOCK_K)
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w = w_first.to(tl.float32)
+    acc0 += w * _load_row(x_ptr, res_ptr, nw_ptr, offs_k, K, rstd0, EVEN_K, NORM, HAS_RESIDUAL)
     if TWO_ROWS:
         acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        acc1 += w * _load_row(x_ptr + stride_xm, res_ptr + stride_xm, nw_ptr, offs_k, K, rstd1, EVEN_K, NORM,
+                              HAS_RESIDUAL)
+    for kb in range(1, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + offs_k
         w = _load_w(w_ptr, rows, k, K, EVEN_K)
         acc0 += w * _load_row(x_ptr, res_ptr, nw_ptr, k, K, rstd0, EVEN_K, NORM, HAS_RESIDUAL)
@@ -178,21 +198,32 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, stride_xm
                           HAS_BIAS: tl.constexpr, TWO_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
                           HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr = False):
-    pdl_enter(USE_PDL)
     offs_n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # N: the activation's width
     n_mask = offs_n < N
     feature = tl.where(n_mask, offs_n, 0).to(tl.int64)
     gate_rows = feature * stride_wn
     up_rows = (feature + N) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    gate_first = _load_w_tile(w_ptr, gate_rows, offs_k, K, EVEN_K)  # before the wait: module doc
+    up_first = _load_w_tile(w_ptr, up_rows, offs_k, K, EVEN_K)
+    pdl_enter(USE_PDL)
     rstd0, rstd1 = _rstd_pair(x_ptr, res_ptr, res_out_ptr, K, eps, stride_xm, NORM, HAS_RESIDUAL, TWO_ROWS,
                               BLOCK_K)
+    w_gate = gate_first.to(tl.float32)
+    w_up = up_first.to(tl.float32)
+    x0 = _load_row(x_ptr, res_ptr, nw_ptr, offs_k, K, rstd0, EVEN_K, NORM, HAS_RESIDUAL)
     gate0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     up0 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    gate0 += w_gate * x0
+    up0 += w_up * x0
     if TWO_ROWS:
+        x1 = _load_row(x_ptr + stride_xm, res_ptr + stride_xm, nw_ptr, offs_k, K, rstd1, EVEN_K, NORM,
+                       HAS_RESIDUAL)
         gate1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         up1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        gate1 += w_gate * x1
+        up1 += w_up * x1
+    for kb in range(1, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + offs_k
         w_gate = _load_w(w_ptr, gate_rows, k, K, EVEN_K)
         w_up = _load_w(w_ptr, up_rows, k, K, EVEN_K)

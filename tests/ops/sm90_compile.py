@@ -47,6 +47,13 @@ class Usage:
     spill_bytes: int
     shared_bytes: int
     num_warps: int
+    loads_before_wait: int = 0  # PDL variants: global loads the PTX issues before griddepcontrol.wait
+
+
+# The kernels that load part of their weight before waiting on the kernel before them (a weight
+# is never written by a step's kernels: ops/kernels/gemv.py). Any other kernel may read what
+# the kernel before it wrote, so its PTX must not load before the wait.
+PREFETCHING = {"_gemv_kernel", "_gemv_silu_mul_kernel"}
 
 
 def _ptxas_usage(ptx: str) -> tuple[int, int]:
@@ -76,9 +83,11 @@ def compile_launch(case: str, name: str, kernel: Any, launch: Launch, require: s
                               options=options.__dict__)
     if require and require not in compiled.asm["ptx"]:
         raise AssertionError(f"{case} {name}: no {require!r} in the PTX")
-    regs, spills = _ptxas_usage(compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx)
+    early = ptx.split("griddepcontrol.wait", 1)[0].count("ld.global") if "griddepcontrol.wait" in ptx else 0
     return Usage(case, name, launch.grid, regs, spills, compiled.metadata.shared,
-                 options.num_warps)
+                 options.num_warps, early)
 
 
 def _attention_case(group: int, query_len: int, head_dim: int, dtype: torch.dtype,
@@ -220,8 +229,16 @@ def run_all() -> list[Usage]:
 
 
 def problems(usages: list[Usage]) -> list[str]:
-    return [f"{u.case} {u.kernel}: {u.spill_bytes} spill bytes, {u.shared_bytes} shared"
-            for u in usages if u.spill_bytes or u.shared_bytes > SHARED_LIMIT]
+    found = [f"{u.case} {u.kernel}: {u.spill_bytes} spill bytes, {u.shared_bytes} shared"
+             for u in usages if u.spill_bytes or u.shared_bytes > SHARED_LIMIT]
+    for u in usages:
+        if not u.case.endswith("[pdl]"):
+            continue
+        if u.kernel in PREFETCHING and not u.loads_before_wait:
+            found.append(f"{u.case} {u.kernel}: no weight load before griddepcontrol.wait")
+        if u.kernel not in PREFETCHING and u.loads_before_wait:
+            found.append(f"{u.case} {u.kernel}: {u.loads_before_wait} loads before griddepcontrol.wait")
+    return found
 
 
 def main() -> int:
@@ -234,7 +251,8 @@ def main() -> int:
     else:
         for u in usages:
             print(f"{u.case:36s} {u.kernel:32s} warps {u.num_warps}  regs {u.registers:3d}  "
-                  f"spill {u.spill_bytes:5d} B  shared {u.shared_bytes:6d} B")
+                  f"spill {u.spill_bytes:5d} B  shared {u.shared_bytes:6d} B"
+                  + (f"  loads before the wait {u.loads_before_wait}" if u.case.endswith("[pdl]") else ""))
     return 1 if problems(usages) else 0
 
 
