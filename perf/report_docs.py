@@ -29,11 +29,12 @@ _SCRIPTS = {"prefill-attention": "python -m perf.prefill_attention_ab",
 
 def _script_args(result: dict) -> str:
     """The options a stand-alone script's file records, as its command line gave them."""
+    if result.get("tool") == "env_ab":
+        compared = f" --env {result['env']}" if "env" in result else f" --base {result['base']}"
+        return f"{compared} --batch {result['batch']}"
     if "base" in result and "batch" in result:  # generate_ab
         args = f" --base {result['base']} --batch {result['batch']} --tokens {result['tokens']}"
         return args + (" --mean" if result.get("per_child") == "mean call" else "")
-    if result.get("tool") == "env_ab":
-        return f" --env {result['env']} --batch {result['batch']}"
     config = result.get("config", {})
     if "emulated_device_ms_per_step" in config:  # client_ab
         return (f" --rounds {config['rounds']} --streams {config['streams']} --tokens {config['new_tokens']}"
@@ -116,7 +117,7 @@ def _script_table(result: dict) -> list[str]:
     if isinstance(result.get("medians"), dict):
         rows = [{"variant": name, **values} for name, values in result["medians"].items()]
     if result.get("tool") == "env_ab":
-        rows = [{"shape": shape, "off_ms": r["median_ms"]["off"], "on_ms": r["median_ms"]["on"],
+        rows = [{"shape": shape, **{f"{side}_ms": ms for side, ms in r["median_ms"].items()},
                  "speedup": r["speedup"]} for shape, r in result["shapes"].items()]
     if not isinstance(rows, list) or not rows:
         return []

@@ -32,6 +32,9 @@
 #   pdl          programmatic dependent launch (on by default on sm_90+, ops/kernels/common.py): the kernel,
 #                graph and overlap GPU tests with it off (VGRAPH_PDL=0: what older GPUs run), then
 #                python -m perf.env_ab (batch-1 step, both shapes, off vs on in alternating processes)
+#   ab-base      python -m perf.env_ab --base ${GPU_CHECKS_BASE:-1513edd}: the batch-1 step of both shapes, this
+#                checkout against that revision (the code the 11-28 H200 lease measured, PDL on) in alternating
+#                processes: what the changes since, timed by no GPU yet, did (the GEMV's weight prefetch)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
@@ -146,6 +149,8 @@ run_step() {
       step pdl-off-tests 200 env VGRAPH_PDL=0 "$PY" -m pytest -m gpu "${xdist[@]}" -q -p no:cacheprovider tests/ops \
         tests/compiler/test_cudagraph_gpu.py tests/engine/test_overlap_cuda.py
       step pdl 300 "$PY" -m perf.env_ab --env VGRAPH_PDL=1 --rounds 1 --out perf/results/env-ab-cuda-pdl.json ;;
+    ab-base) step ab-base 300 "$PY" -m perf.env_ab --base "${GPU_CHECKS_BASE:-1513edd}" --rounds 1 \
+      --out perf/results/env-ab-cuda-base.json ;;
     e2e-full) step e2e-full 1500 "$PY" -m perf run e2e --device cuda ;;
     pytest-ops)  # -n 8 needs pytest-xdist (the GPU machine has it); serial without
       local xdist=()

@@ -40,3 +40,13 @@ def test_an_env_ab_file_gets_its_switch_and_a_row_per_shape(tmp_path):
     text = "\n".join(section(path, None))
     assert "`python -m perf.env_ab --env VGRAPH_PDL=1 --batch 1`" in text
     assert "| shape | off_ms | on_ms | speedup |" in text and "| qwen2.5-0.5b | 1.1 | 0.9 | 1.222 |" in text
+
+
+def test_an_env_ab_file_against_a_revision_names_it(tmp_path):
+    result = {"tool": "env_ab", "base": "1513edd", "batch": 1,
+              "shapes": {"llama3-8b": {"median_ms": {"base": 4.5, "this": 4.4}, "speedup": 4.5 / 4.4, "rounds": []}}}
+    path = tmp_path / "env-ab-cuda-gemv-prefetch.json"
+    path.write_text(json.dumps(result))
+    text = "\n".join(section(path, None))
+    assert "`python -m perf.env_ab --base 1513edd --batch 1`" in text
+    assert "| shape | base_ms | this_ms | speedup |" in text and "| llama3-8b | 4.5 | 4.4 | 1.023 |" in text
