@@ -27,6 +27,7 @@ from .kv_cache import reshape_and_cache
 from .linear import packed_linear
 from .lora import lora_add
 from .norm import fused_add_rms_norm, rms_norm
+from .rotary import rotary_qk
 from .unified_attention import unified_attention
 
 
@@ -47,7 +48,7 @@ def build_cpu_kernels() -> dict[str, str | None]:
 
 
 __all__ = [
-    "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk",
     "static_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant", "fp8_gemm",
     "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
     "rms_norm_dynamic_per_token_fp8_quant", "silu_and_mul_static_fp8_quant",

@@ -11,12 +11,13 @@ from typing import Callable
 
 import torch
 
-from . import activation, dense_linear, fp8, fused_quant, lora, norm
+from . import activation, dense_linear, fp8, fused_quant, lora, norm, rotary
 from .kernels import activation as act_k
 from .kernels import fp8 as fp8_k
 from .kernels import gemv as gemv_k
 from .kernels import lora as lora_k
 from .kernels import norm as norm_k
+from .kernels import rotary as rotary_k
 
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
@@ -47,6 +48,14 @@ def _max_rel_error(out, ref) -> float:
     return worst
 
 
+def _rotary_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """q and k as the model passes them (head views of one qkv row per token), cos and sin."""
+    qkv = torch.randn(7, (6 + 2 + 2) * 64, dtype=dtype)
+    q, k = qkv[:, :384].view(7, 6, 64), qkv[:, 384:512].view(7, 2, 64)
+    angles = torch.randn(7, 32)
+    return q, k, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, tuple, float]]:
     """(op name, kernel launcher, reference, CPU inputs, tolerance) for each op."""
     x, r = torch.randn(7, 1000, dtype=dtype), torch.randn(7, 1000, dtype=dtype)
@@ -61,6 +70,7 @@ def _cases(dtype: torch.dtype) -> list[tuple[str, Callable, Callable, tuple, flo
         ("fused_add_rms_norm", lambda a, c, b: norm_k.rms_norm_triton(a, b, 1e-6, residual=c),
          lambda a, c, b: norm.fused_add_rms_norm_reference(a, c, b, 1e-6), (x, r, w), tol),
         ("silu_and_mul", act_k.silu_and_mul_triton, activation.silu_and_mul_reference, (gate_up,), tol),
+        ("rotary_qk", rotary_k.rotary_qk_triton, rotary.rotary_qk_reference, _rotary_inputs(dtype), tol),
         ("static_scaled_fp8_quant", fp8_k.static_scaled_fp8_quant_triton, fp8.static_scaled_fp8_quant_reference, (x, s), fp8_tol),
         ("dynamic_per_token_scaled_fp8_quant", fp8_k.dynamic_per_token_scaled_fp8_quant_triton,
          fp8.dynamic_per_token_scaled_fp8_quant_reference, (x,), fp8_tol),

@@ -99,7 +99,7 @@ def test_plain_mode_leaves_only_attention_and_the_gemm_as_ops(quantization: str 
     # The GEMM stays a vgraph op either way: fp8, or on CPU float32 the packed GEMM.
     gemm = {"fp8_gemm"} if quantization else {"packed_linear"}
     assert ops_off == {"unified_attention"} | gemm
-    expected_on = {"unified_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"} | gemm
+    expected_on = {"unified_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"} | gemm
     if quantization:
         expected_on.add("dynamic_per_token_scaled_fp8_quant")
     assert ops_on == expected_on

@@ -31,7 +31,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from tests.ops.launches import Launch, as_jit_function, recording
 from vgraph.ops import dense_linear
-from vgraph.ops.kernels import activation, attention, fp8, gemv, kv_cache, lora, norm
+from vgraph.ops.kernels import activation, attention, fp8, gemv, kv_cache, lora, norm, rotary
 
 ARCH = 90
 TARGET = GPUTarget("cuda", ARCH, 32)
@@ -172,6 +172,11 @@ def cases() -> list[tuple[str, Any, list[str], Callable[[], None]]]:
     out.append(("reshape_and_cache", kv_cache, ["_reshape_and_cache_kernel"],
                 lambda: kv_cache.reshape_and_cache_triton(kv, kv, cache, cache,
                                                           torch.zeros(2, dtype=torch.long))))
+    for tokens, q_heads, k_heads, dim in [(1, 32, 8, 128), (1, 14, 2, 64), (2048, 32, 8, 128)]:
+        q, k = torch.empty(tokens, q_heads, dim, dtype=bf16), torch.empty(tokens, k_heads, dim, dtype=bf16)
+        angles = torch.empty(tokens, dim // 2, dtype=bf16)
+        out.append((f"rotary_qk t{tokens} h{q_heads}/{k_heads} d{dim}", rotary, ["_rotary_qk_kernel"],
+                    lambda q=q, k=k, angles=angles: rotary.rotary_qk_triton(q, k, angles, angles)))
     out += _lora_cases()
     out += _gemv_cases()
     fp8_cache = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn)

@@ -16,12 +16,12 @@ import torch
 
 from tests.ops.launches import recording
 from tests.ops.sm90_compile import cases
-from vgraph.ops.kernels import activation, attention, common, gemv, kv_cache, norm
+from vgraph.ops.kernels import activation, attention, common, gemv, kv_cache, norm, rotary
 
 DECODE_KERNELS = {(norm, "_rms_norm_kernel"), (activation, "_silu_and_mul_kernel"),
                   (kv_cache, "_reshape_and_cache_kernel"), (gemv, "_gemv_kernel"), (gemv, "_gemv_silu_mul_kernel"),
                   (attention, "_paged_attention_kernel"), (attention, "_split_kv_stage1_kernel"),
-                  (attention, "_split_kv_stage2_kernel")}
+                  (attention, "_split_kv_stage2_kernel"), (rotary, "_rotary_qk_kernel")}
 
 
 @pytest.fixture

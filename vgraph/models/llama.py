@@ -247,6 +247,9 @@ class Attention(nn.Module):
         # An fp8 KV cache's per-tensor scales (1.0 unless the checkpoint has them). Not read
         # by forward: the runner hands them to the attention op through the forward context,
         # as it does the caches. Buffers, so they live on the model's device from the start.
+        # With custom ops, q and k are rotated by one op (one kernel a layer on CUDA, launched
+        # with PDL: ops/rotary.py); without, in plain torch, for Inductor to fuse.
+        self.rotary_op = opts.use_custom_ops
         self.k_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
         self.v_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
 
@@ -261,7 +264,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = torch.ops.vgraph.rotary_qk(q, k, *rope) if self.rotary_op else apply_rotary(q, k, *rope)
         out = torch.ops.vgraph.unified_attention(q, k, v, self.layer_idx).reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)
         if self.o_lora is not None:
