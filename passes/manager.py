@@ -36,6 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .base import AnyPass, as_pass, source_of
 from .all_reduce_norm import AllReduceRMSNormFusionPass
 from .fx_utils import op_counts, target_name
+from .norm_linear import NARROW_ROWS, NormLinearFusionPass
 from .rms_norm_quant import RMSNormQuantFusionPass
 from .silu_mul import SiluMulFusionPass
 
@@ -50,11 +51,14 @@ def default_passes(lift_plain_torch: bool = True, all_reduce: bool = True) -> li
     without custom ops, whose user asked for Inductor's kernels (on CPU the op is the
     reference, run aten call by aten call, where Inductor emits one fused loop).
     ``all_reduce=False`` leaves out the all-reduce + RMSNorm fusion (tensor parallelism). It
-    runs last, so that a norm already fused with its fp8 quant fuses with the all-reduce too.
+    runs after the quant fusion, so that a norm already fused with its fp8 quant fuses with the
+    all-reduce too. The norm + projection fusion (16-bit CUDA projections, rows of at most
+    ``NARROW_ROWS`` elements) runs last: a norm the all-reduce took stays there.
     """
     passes: list[AnyPass] = [RMSNormQuantFusionPass(), SiluMulFusionPass(plain_torch=lift_plain_torch)]
     if all_reduce:
         passes.append(AllReduceRMSNormFusionPass(plain_torch=lift_plain_torch))
+    passes.append(NormLinearFusionPass(max_width=NARROW_ROWS))
     return passes
 
 

@@ -15,13 +15,15 @@ The fused ops are the two ops in turn wherever the projection does not take the 
 row's squares in another order, so a result can move in its last bit, as any change of the
 GEMV's summation order would.
 
-Why it is not among the default passes: the fused kernel has every program normalize the
-whole row itself (ops/kernels/gemv.py), which trades a launch for re-reads of the row from
+Why it is a default pass for narrow rows only: the fused kernel has every program normalize
+the whole row itself (ops/kernels/gemv.py), which trades a launch for re-reads of the row from
 L2. On an H200 (``python -m perf.decode_kernels_ab --rows 1,2 --chosen --norm``,
-perf/results/decode-kernels-cuda-norm.json) that loses on the 8B shape's 4096-wide rows (qkv
-0.78x, gate_up 0.92x) and wins on the 0.5B's 896 (1.29x, 1.06x), so a default would have to
-be chosen by width, which two shapes do not settle. Until then it is a pass to add: ``--pass
-vgraph.passes.norm_linear:NormLinearFusionPass`` (``CompileConfig(passes=[...])``).
+perf/results/decode-kernels-cuda-norm.json) that lost on the 8B shape's 4096-wide rows (qkv
+0.78x, gate_up 0.92x) and won on the 0.5B's 896 (qkv 1.29x at one row, 1.12x at two; gate_up
+1.06x). Where between them it stops paying was not measured, so the default pass fuses rows
+of at most ``NARROW_ROWS`` (1024) elements, the side that was measured to win;
+``NormLinearFusionPass()`` without a limit fuses any width (``--pass
+vgraph.passes.norm_linear:NormLinearFusionPass``).
 
 The norm's output must have the projection as its only user, as its ``x`` argument: with a
 LoRA adapter on the projection, or anything else reading the normed row, the norm has to
@@ -49,12 +51,18 @@ RMS_NORM_LINEAR = _vg.rms_norm_linear.default
 FUSED_ADD_RMS_NORM_LINEAR = _vg.fused_add_rms_norm_linear.default
 
 
+NARROW_ROWS = 1024  # the default pass's widest row (module doc)
+
+
 class NormLinearFusionPass(VgraphPass):
     """Fuses ``rms_norm`` / ``fused_add_rms_norm`` into the projection that alone reads their
-    output (module doc)."""
+    output (module doc); ``max_width``: only rows of at most that many elements (None: any)."""
+
+    def __init__(self, max_width: Optional[int] = None) -> None:
+        self.max_width = max_width
 
     def config(self) -> dict[str, Any]:
-        return {}
+        return {"max_width": self.max_width}
 
     def apply(self, graph: Graph) -> Counter:
         order = node_order(graph)
@@ -73,6 +81,8 @@ class NormLinearFusionPass(VgraphPass):
         # One user counts once however many of its arguments it takes: the normed row must
         # be the projection's input only, not its weight or bias too.
         if only_user(src) is not projection or src is weight or src is bias:
+            return None
+        if self.max_width is not None and not _at_most(src, self.max_width):
             return None
         tail = (weight, bias, PROJECTIONS[projection.target])  # the fused op's last arguments
         if is_call(src, RMS_NORM):
@@ -99,3 +109,10 @@ def _fuse_add_rms_norm(graph: Graph, normed: Node, projection: Node, tail: tuple
                  (norm_args["x"], norm_args["residual"], norm_args["weight"], norm_args["eps"], *tail),
                  residual_reads, where)
     return op_name(FUSED_ADD_RMS_NORM_LINEAR)
+
+
+def _at_most(row: Node, width: int) -> bool:
+    """Whether the normed row's last dimension is known (its fake value) and at most ``width``."""
+    value = row.meta.get("val")
+    last = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() else None
+    return isinstance(last, int) and last <= width

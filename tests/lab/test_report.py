@@ -52,12 +52,13 @@ def test_matches_equal_the_managers_and_the_engines_counts(lifted):
     assert {k: v["distinct_graphs"] for k, v in per_pass.items()} == manager.match_counts()
     assert {k: v["piece_instances"] for k, v in per_pass.items()} == engine.compile_counters.pass_matches
     assert data["config"]["run_order"] == ["PlainRMSNormPass", "PlainDynamicQuantPass", "RMSNormQuantFusionPass",
-                                           "SiluMulFusionPass", "AllReduceRMSNormFusionPass"]
+                                           "SiluMulFusionPass", "AllReduceRMSNormFusionPass",
+                                           "NormLinearFusionPass"]
     # demo model, L = 4 layers: 2L+1 norms, 4 quantized projections per layer, 2L norm+quant
     # sites; the identical middle layers compile once, so distinct graphs hold 4 sites per size
     assert {k: v["piece_instances"] for k, v in per_pass.items()} == {
         "PlainRMSNormPass": 9, "PlainDynamicQuantPass": 16, "RMSNormQuantFusionPass": 8, "SiluMulFusionPass": 0,
-        "AllReduceRMSNormFusionPass": 0}
+        "AllReduceRMSNormFusionPass": 0, "NormLinearFusionPass": 0}
     assert per_pass["RMSNormQuantFusionPass"]["by_size"] == {"dynamic": 4, "4": 4}  # distinct graphs
     assert data["matches"]["per_pattern"]["RMSNormQuantFusionPass"] == {
         "rms_norm_dynamic_per_token_fp8_quant": {"distinct_graphs": 8, "piece_instances": 8}}
@@ -136,7 +137,7 @@ def test_cli_report_on_the_llama_checkpoint_with_a_file_pass(tmp_path, capsys):
     assert code == 0
     data = json.loads((out / "report.json").read_text())
     assert data["config"]["run_order"] == ["RMSNormQuantFusionPass", "SiluMulFusionPass", "AllReduceRMSNormFusionPass",
-                                           "count_vgraph_ops"]
+                                           "NormLinearFusionPass", "count_vgraph_ops"]
     assert data["matches"]["per_pass"]["RMSNormQuantFusionPass"]["piece_instances"] == 1
     assert "RMSNormQuantFusionPass=1 sites" in printed and str(out / "report.md") in printed
     assert set(data["step_times"]) == {"decode-2"}

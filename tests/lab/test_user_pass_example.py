@@ -19,5 +19,6 @@ def test_example_main_fuses_every_site_with_its_passes_placed_before(capsys):
     # 4 layers: 2L+1 norms, 4L quantized projections, 2L norm+quant sites fused; left at the end:
     # 2L fused norm+quants, 4L fp8 GEMMs, 2L quants of o_proj/down_proj inputs, the final norm
     assert matches["before"] == {"PlainRMSNormPass": 9, "PlainDynamicQuantPass": 16, "RMSNormQuantFusionPass": 8,
-                                 "SiluMulFusionPass": 0, "AllReduceRMSNormFusionPass": 0, "count_vgraph_ops": 33}
+                                 "SiluMulFusionPass": 0, "AllReduceRMSNormFusionPass": 0, "NormLinearFusionPass": 0,
+                                 "count_vgraph_ops": 33}
     assert "lifting passes before vgraph's" in capsys.readouterr().out

@@ -112,7 +112,7 @@ def test_fp8_variant_after_the_norm_quant_fusion(group):
     manager = PassManager(default_passes())
     gm = apply(manager, trace(f, x, r, w, scale()))
     assert manager.last_match_counts == {"RMSNormQuantFusionPass": 1, "SiluMulFusionPass": 0,
-                                         "AllReduceRMSNormFusionPass": 1}
+                                         "AllReduceRMSNormFusionPass": 1, "NormLinearFusionPass": 0}
     counts = op_counts(gm.graph)
     assert counts[AR_NORM_FP8] == 1 and counts[ALL_REDUCE] == 0
     assert counts[V.fused_add_rms_norm_static_fp8_quant.default] == 0

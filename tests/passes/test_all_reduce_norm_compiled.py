@@ -135,8 +135,8 @@ def test_the_flag_is_in_the_pass_managers_uuid():
         return build_pass_manager(EngineConfig(ModelConfig("unused"), compile=CompileConfig(**options)))
 
     on, off = manager(), manager(enable_allreduce_fusion=False)
-    assert [type(p).__name__ for p in on.passes][-1] == "AllReduceRMSNormFusionPass"
+    assert [type(p).__name__ for p in on.passes][-2:] == ["AllReduceRMSNormFusionPass", "NormLinearFusionPass"]
     assert "AllReduceRMSNormFusionPass" not in [type(p).__name__ for p in off.passes]
     assert on.uuid() != off.uuid() and on.uuid() == manager().uuid()
-    assert manager(custom_ops=False).passes[-1].plain_torch is False
+    assert manager(custom_ops=False).passes[-2].plain_torch is False
     assert manager(enable_fusion=False) is None

@@ -92,7 +92,8 @@ def test_counts_are_exact(compiled_decoder):
                                              "silu_and_mul_static_fp8_quant": LAYERS}
     assert manager.match_counts() == {"RMSNormQuantFusionPass": rms.total_matched,
                                       "SiluMulFusionPass": silu.total_matched,
-                                      "AllReduceRMSNormFusionPass": 0, "GraphRecorder": 0}
+                                      "AllReduceRMSNormFusionPass": 0, "NormLinearFusionPass": 0,
+                                      "GraphRecorder": 0}
 
 
 def test_post_pass_graph_has_only_fused_ops(compiled_decoder):

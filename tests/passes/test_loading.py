@@ -116,7 +116,7 @@ def test_compile_config_loads_specs_and_the_engine_orders_them(pass_file):
     engine = EngineConfig(ModelConfig("m"), compile=config)
     manager = build_pass_manager(engine)
     assert list(manager.match_counts()) == ["count", "RMSNormQuantFusionPass", "SiluMulFusionPass",
-                                            "AllReduceRMSNormFusionPass", "SiluMulFusionPass#2"]
+                                            "AllReduceRMSNormFusionPass", "NormLinearFusionPass", "SiluMulFusionPass#2"]
     with pytest.raises(ValueError, match="no_such_module_for_vgraph"):
         CompileConfig(passes=["no_such_module_for_vgraph:X"])
 

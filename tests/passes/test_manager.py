@@ -50,9 +50,11 @@ def test_runs_passes_in_order_and_counts():
         apply(manager, block_graph())
     assert manager.graphs_seen == 2 and recorder.calls == 2
     assert manager.last_match_counts == {"RMSNormQuantFusionPass": 1, "SiluMulFusionPass": 2,
-                                         "AllReduceRMSNormFusionPass": 0, "GraphRecorder": 0}
+                                         "AllReduceRMSNormFusionPass": 0, "NormLinearFusionPass": 0,
+                                         "GraphRecorder": 0}
     assert manager.match_counts() == {"RMSNormQuantFusionPass": 2, "SiluMulFusionPass": 4,
-                                      "AllReduceRMSNormFusionPass": 0, "GraphRecorder": 0}
+                                      "AllReduceRMSNormFusionPass": 0, "NormLinearFusionPass": 0,
+                                         "GraphRecorder": 0}
     # the recorder runs last and sees only fused ops
     assert recorder.counts[V.rms_norm_static_fp8_quant.default] == 1
     assert recorder.counts[V.silu_and_mul_static_fp8_quant.default] == 1
@@ -81,7 +83,9 @@ def test_dump_dir(tmp_path):
                      "graph001_02_SiluMulFusionPass_after.py",
                      "graph001_02_SiluMulFusionPass_before.py",
                      "graph001_03_AllReduceRMSNormFusionPass_after.py",
-                     "graph001_03_AllReduceRMSNormFusionPass_before.py"]
+                     "graph001_03_AllReduceRMSNormFusionPass_before.py",
+                     "graph001_04_NormLinearFusionPass_after.py",
+                     "graph001_04_NormLinearFusionPass_before.py"]
     before = (tmp_path / "dumps" / names[1]).read_text()
     after = (tmp_path / "dumps" / names[0]).read_text()
     assert "vgraph.rms_norm.default" in before and "rms_norm_static_fp8_quant" not in before
@@ -226,7 +230,8 @@ def test_history_records_each_pass_per_labelled_graph(tmp_path):
     apply(manager, block_graph())  # unlabelled: the plain dump names
     first, second = manager.history
     assert first.labels == {"piece": "2", "size": "dynamic"} and second.labels == {}
-    norm, silu, all_reduce = first.steps
+    norm, silu, all_reduce, norm_linear = first.steps
+    assert norm_linear.name == "NormLinearFusionPass" and norm_linear.matches == 0
     assert all_reduce.name == "AllReduceRMSNormFusionPass" and all_reduce.matches == 0
     assert (norm.name, norm.matches, norm.patterns) == ("RMSNormQuantFusionPass", 1, {"rms_norm_static_fp8_quant": 1})
     assert norm.removed == {"vgraph.rms_norm.default": 1, "vgraph.static_scaled_fp8_quant.default": 1}

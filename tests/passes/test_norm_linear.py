@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vgraph.passes import NormLinearFusionPass, PassManager, default_passes
+from vgraph.passes.norm_linear import NARROW_ROWS
 
 from . import EPS, V, apply, check_pass, op_counts, trace
 
@@ -130,9 +131,9 @@ def test_a_residual_read_before_the_projection_with_a_late_weight():
     assert p.matched_count == 0 and counts[V.fused_add_rms_norm.default] == 1
 
 
-def test_not_a_default_pass_and_loadable_by_spec():
-    """Opt-in until measured on a GPU (module doc): the spec users give --pass."""
-    assert not any(isinstance(p, NormLinearFusionPass) for p in default_passes())
+def test_a_default_pass_for_narrow_rows_and_loadable_by_spec():
+    """Default for rows of at most NARROW_ROWS (module doc); any width by the spec users give --pass."""
+    assert [p.max_width for p in default_passes() if isinstance(p, NormLinearFusionPass)] == [NARROW_ROWS]
     from vgraph.passes import load_pass
     assert isinstance(load_pass("vgraph.passes.norm_linear:NormLinearFusionPass"), NormLinearFusionPass)
     manager = PassManager([NormLinearFusionPass()])
@@ -140,3 +141,14 @@ def test_not_a_default_pass_and_loadable_by_spec():
     gm = trace(lambda x, nw, w, b: V.linear(V.rms_norm(x, nw, EPS), w, b), x, nw, w, b)
     manager(gm.graph)
     assert manager.match_counts() == {"NormLinearFusionPass": 1}
+
+
+@pytest.mark.parametrize("width,fused", [(NARROW_ROWS, True), (NARROW_ROWS + 8, False)])
+def test_a_width_limit_fuses_only_rows_that_narrow(width, fused):
+    x, nw, w, b = torch.randn(2, width), torch.randn(width), torch.randn(24, width), torch.randn(24)
+    p = NormLinearFusionPass(max_width=NARROW_ROWS)
+    gm = trace(lambda x, nw, w, b: V.linear(V.rms_norm(x, nw, EPS), w, b), x, nw, w, b)
+    counts = op_counts(apply(p, gm).graph)
+    assert p.matched_count == int(fused)
+    assert counts[V.rms_norm_linear.default] == int(fused) and counts[V.rms_norm.default] == int(not fused)
+    assert NormLinearFusionPass(max_width=1).uuid() != NormLinearFusionPass().uuid()
