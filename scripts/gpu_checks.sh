@@ -34,7 +34,9 @@
 #                python -m perf.env_ab (batch-1 step, both shapes, off vs on in alternating processes)
 #   ab-base      python -m perf.env_ab --base ${GPU_CHECKS_BASE:-1513edd}: the batch-1 step of both shapes, this
 #                checkout against that revision (the code the 11-28 H200 lease measured, PDL on) in alternating
-#                processes: what the changes since, timed by no GPU yet, did (the GEMV's weight prefetch)
+#                processes: what the changes since, timed by no GPU yet, did together (the GEMVs' weight
+#                tile loaded before the PDL wait, RoPE of q and k in one kernel, the norm + projection
+#                fusion by default on rows <= 1024)
 #   e2e-full     the same without --quick (not in the default list: about 15 minutes)
 #   pytest-ops   pytest -m gpu tests/ops -n 8 (kernel tests: independent, small)
 #   pytest-rest  pytest -m gpu on every other folder, one process (engine tests take most of the memory each)
