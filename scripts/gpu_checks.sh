@@ -18,7 +18,7 @@
 # Steps, most important first (names to pass as arguments; default: all of them, in order):
 #   doctor       vgraph doctor: kernels, graph capture, the engine on this GPU
 #   overlap      pytest -m gpu: the overlapped loop and speculation on CUDA, graphs vs eager, the one-row GEMV ops
-#                (and their fused-norm forms)
+#                (and their fused-norm forms), the RoPE kernel
 #   e2e          python -m perf run e2e --device cuda --quick (the GPU targets)
 #   spec-verify  python -m perf run spec-verify --device cuda --quick (8B first: a verify step vs a decode step)
 #   profile      python -m perf.profile_step (0.5B, batch 1: step vs device busy time, Python and op profiles)
@@ -133,7 +133,7 @@ run_step() {
   case "$1" in
     doctor) step doctor 150 "$PY" -m vgraph.cli doctor ;;
     overlap) step overlap 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/engine/test_overlap_cuda.py \
-      tests/compiler/test_cudagraph_gpu.py tests/ops/test_dense_linear.py ;;
+      tests/compiler/test_cudagraph_gpu.py tests/ops/test_dense_linear.py tests/ops/test_rotary.py ;;
     spec-verify) step spec-verify 240 env PERF_DECODE_SHAPES=llama3-8b,qwen2.5-0.5b \
       "$PY" -m perf run spec-verify --device cuda --quick ;;
     profile) step profile 150 "$PY" -m perf.profile_step --out "$LOGDIR/profile" ;;
