@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from perf.report_docs import command_for, section, suite_of
 
 
@@ -32,21 +34,16 @@ def test_a_kernel_script_keeps_its_thread_option():
     assert command_for("prefill-attention-cpu-t1", {"threads": 1}) == "python -m perf.prefill_attention_ab --threads 1"
 
 
-def test_an_env_ab_file_gets_its_switch_and_a_row_per_shape(tmp_path):
-    result = {"tool": "env_ab", "env": "VGRAPH_PDL=1", "batch": 1,
-              "shapes": {"qwen2.5-0.5b": {"median_ms": {"off": 1.1, "on": 0.9}, "speedup": 1.1 / 0.9, "rounds": []}}}
-    path = tmp_path / "env-ab-cuda-pdl.json"
+@pytest.mark.parametrize("compared,sides,option", [
+    ({"env": "VGRAPH_PDL=1"}, ("off", "on"), "--env VGRAPH_PDL=1"),
+    ({"base": "1513edd"}, ("base", "this"), "--base 1513edd"),
+])
+def test_an_env_ab_file_gets_what_it_compared_and_a_row_per_shape(tmp_path, compared, sides, option):
+    result = {"tool": "env_ab", **compared, "batch": 1,
+              "shapes": {"qwen2.5-0.5b": {"median_ms": dict(zip(sides, (1.1, 0.9))), "speedup": 1.1 / 0.9,
+                                          "rounds": []}}}
+    path = tmp_path / "env-ab-cuda-x.json"
     path.write_text(json.dumps(result))
     text = "\n".join(section(path, None))
-    assert "`python -m perf.env_ab --env VGRAPH_PDL=1 --batch 1`" in text
-    assert "| shape | off_ms | on_ms | speedup |" in text and "| qwen2.5-0.5b | 1.1 | 0.9 | 1.222 |" in text
-
-
-def test_an_env_ab_file_against_a_revision_names_it(tmp_path):
-    result = {"tool": "env_ab", "base": "1513edd", "batch": 1,
-              "shapes": {"llama3-8b": {"median_ms": {"base": 4.5, "this": 4.4}, "speedup": 4.5 / 4.4, "rounds": []}}}
-    path = tmp_path / "env-ab-cuda-gemv-prefetch.json"
-    path.write_text(json.dumps(result))
-    text = "\n".join(section(path, None))
-    assert "`python -m perf.env_ab --base 1513edd --batch 1`" in text
-    assert "| shape | base_ms | this_ms | speedup |" in text and "| llama3-8b | 4.5 | 4.4 | 1.023 |" in text
+    assert f"`python -m perf.env_ab {option} --batch 1`" in text
+    assert f"| shape | {sides[0]}_ms | {sides[1]}_ms | speedup |" in text and "| qwen2.5-0.5b | 1.1 | 0.9 | 1.222 |" in text
