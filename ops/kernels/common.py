@@ -35,7 +35,9 @@ PDL_REQUESTED: bool = os.environ.get("VGRAPH_PDL", "1") != "0"
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(index: Optional[int]) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of sm_90 or later (a ROCm build reports its own capability numbers, and
+    PDL is NVIDIA's)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 _PDL_ON = {"USE_PDL": True, "launch_pdl": True}
