@@ -1,7 +1,7 @@
 """``vgraph::rotary_qk``: rotary position embedding of a layer's q and k, in one op.
 
-What a model with custom ops calls (vgraph/models/llama.py) instead of the plain-torch
-rotation, so that on CUDA it is one kernel a layer, launched with programmatic dependent
+What a model with custom ops on CUDA calls (vgraph/models/llama.py ``rotary_by_op``) instead
+of the plain-torch rotation, so that on CUDA it is one kernel a layer, launched with programmatic dependent
 launch (ops/kernels/rotary.py), where Inductor makes two of the plain form. The numerics are
 those of Inductor's kernels for that form: fp32 math rounded once to the activation dtype
 (checked in tests/ops/test_rotary.py against ``torch.compile`` of models/rotary.py's form).

@@ -99,7 +99,7 @@ def test_plain_mode_leaves_only_attention_and_the_gemm_as_ops(quantization: str 
     # The GEMM stays a vgraph op either way: fp8, or on CPU float32 the packed GEMM.
     gemm = {"fp8_gemm"} if quantization else {"packed_linear"}
     assert ops_off == {"unified_attention"} | gemm
-    expected_on = {"unified_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_qk"} | gemm
+    expected_on = {"unified_attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul"} | gemm
     if quantization:
         expected_on.add("dynamic_per_token_scaled_fp8_quant")
     assert ops_on == expected_on
@@ -141,3 +141,24 @@ def test_without_custom_ops_the_passes_leave_plain_silu_to_inductor(custom_ops):
     manager = build_pass_manager(EngineConfig(ModelConfig("unused"), compile=CompileConfig(custom_ops=custom_ops)))
     silu = [p for p in manager.passes if type(p).__name__ == "SiluMulFusionPass"]
     assert len(silu) == 1 and silu[0].plain_torch is custom_ops and silu[0].quant
+
+
+@pytest.mark.parametrize("device, custom_ops, expected", [("cuda", True, True), ("cuda:1", True, True),
+                                                          ("cuda", False, False), ("cpu", True, False)])
+def test_rope_is_one_op_with_custom_ops_on_cuda_only(device, custom_ops, expected):
+    """On CPU the op would be its reference, several aten calls, where Inductor fuses the
+    plain-torch rotation into one loop."""
+    from vgraph.models.llama import LayerOptions, rotary_by_op
+    assert rotary_by_op(LayerOptions(torch.float32, device, use_custom_ops=custom_ops)) is expected
+
+
+def test_a_model_rotating_by_the_op_gives_the_plain_rotations_logits(monkeypatch):
+    """What a CUDA model runs (the op), here on CPU with the op's reference: fp32 logits equal."""
+    path = tiny_checkpoint(arch="llama")
+    model = _model(path, True)
+    ids = _prompt(9, seed=3)
+    plain = _prefill_then_decode(model, ids)
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer.self_attn, "rotary_op", True)
+    by_op = _prefill_then_decode(model, ids)
+    assert all(torch.equal(a, b) for a, b in zip(by_op, plain))

@@ -67,3 +67,16 @@ def test_bad_shapes_raise():
         torch.ops.vgraph.rotary_qk(q, k[:2], cos, sin)
     with pytest.raises(ValueError, match="cos and sin"):
         torch.ops.vgraph.rotary_qk(q, k, cos[:2], sin[:2])
+
+
+def test_traces_once_for_any_token_count():
+    """The fake implementation's shape checks add no guard on the token count: one trace
+    serves every prefill size (the engine compiles the forward once and fails on recompiles)."""
+    torch._dynamo.reset()
+    rotate = torch.compile(lambda q, k, c, s: torch.ops.vgraph.rotary_qk(q, k, c, s), dynamic=True, fullgraph=True)
+    for tokens in (3, 5, 9):  # none equal to a head count: duck sizing would tie them
+        inputs = head_views(tokens, 4, 2, 16, torch.float32)
+        with torch.compiler.set_stance("fail_on_recompile" if tokens > 3 else "default"):
+            got = rotate(*inputs)
+        for out, want in zip(got, rotary_qk_reference(*inputs)):
+            assert torch.equal(out, want)

@@ -150,6 +150,14 @@ class LayerOptions:
     lora: Optional[LoRAConfig] = None  # None: no LoRA buffers, no LoRA op, the graph as without
 
 
+def rotary_by_op(opts: LayerOptions) -> bool:
+    """Whether q and k are rotated by ``vgraph::rotary_qk`` (one kernel a layer, launched with
+    PDL: ops/rotary.py): with custom ops on CUDA. Elsewhere the plain-torch rotation, which
+    Inductor fuses into one loop on CPU, where the op would be its reference, aten call by
+    aten call."""
+    return opts.use_custom_ops and torch.device(opts.device).type == "cuda"
+
+
 def make_lora(opts: LayerOptions, in_features: int, slices: list[tuple[str, int]]) -> Optional[LoRAProjection]:
     """The adapter slots beside a projection (``slices``: HF module names and output sizes in
     the projection's output order), or None when the model is built without LoRA."""
@@ -247,9 +255,7 @@ class Attention(nn.Module):
         # An fp8 KV cache's per-tensor scales (1.0 unless the checkpoint has them). Not read
         # by forward: the runner hands them to the attention op through the forward context,
         # as it does the caches. Buffers, so they live on the model's device from the start.
-        # With custom ops, q and k are rotated by one op (one kernel a layer on CUDA, launched
-        # with PDL: ops/rotary.py); without, in plain torch, for Inductor to fuse.
-        self.rotary_op = opts.use_custom_ops
+        self.rotary_op = rotary_by_op(opts)
         self.k_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
         self.v_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
 
