@@ -174,7 +174,7 @@ run_step() {
 }
 
 STEPS=("$@")
-((${#STEPS[@]})) || STEPS=(doctor overlap e2e spec-verify profile pytest-ops pytest-rest ops-check lora-fp8 decode ops)
+((${#STEPS[@]})) || STEPS=(doctor overlap e2e ab-base spec-verify profile pytest-ops pytest-rest ops-check lora-fp8 decode ops)
 say "gpu_checks: steps ${STEPS[*]}; budget ${BUDGET_S} s; $(date -u +%FT%TZ); commit $(git rev-parse --short HEAD 2>/dev/null)"
 # In this shell, not a pipeline's subshell: its PYTHONPATH must reach every step.
 # GPU_CHECKS_SKIP_SETUP=1: the environment is ready (a machine set up by hand, a dry run on CPU).
