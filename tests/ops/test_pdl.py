@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.ops.launches import recording
-from tests.ops.sm90_compile import cases
+from tests.ops.sm90_compile import PREFETCHING, cases
 from vgraph.ops.kernels import activation, attention, common, gemv, kv_cache, norm, rotary
 
 DECODE_KERNELS = {(norm, "_rms_norm_kernel"), (activation, "_silu_and_mul_kernel"),
@@ -53,7 +53,6 @@ def test_on_unless_vgraph_pdl_is_0(value, asked):
 # What may run before the wait: index arithmetic, and (the GEMVs only) loads of the weight,
 # which no kernel of a step writes.
 INDEX_CALLS = {"tl.program_id", "tl.arange", "tl.where", "to"}
-PREFETCHING = {"_gemv_kernel", "_gemv_silu_mul_kernel"}
 
 
 def _calls(statement: ast.stmt) -> list[ast.Call]:

@@ -252,10 +252,10 @@ class Attention(nn.Module):
         if spec.qk_norm:  # Qwen3: RMSNorm over each head's q and k, before RoPE
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, opts)
+        self.rotary_op = rotary_by_op(opts)
         # An fp8 KV cache's per-tensor scales (1.0 unless the checkpoint has them). Not read
         # by forward: the runner hands them to the attention op through the forward context,
         # as it does the caches. Buffers, so they live on the model's device from the start.
-        self.rotary_op = rotary_by_op(opts)
         self.k_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
         self.v_scale = nn.Buffer(torch.ones((), dtype=torch.float32, device=opts.device), persistent=False)
 
